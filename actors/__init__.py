@@ -1,0 +1,1 @@
+"""The Ray layer: client, server and accountant actors that distribute rfedray.federated."""

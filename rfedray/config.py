@@ -1,0 +1,384 @@
+"""Structured run configuration: one dataclass per section, validated before anything starts.
+
+A configuration is built from three layers, later ones winning: the defaults below, a YAML file
+(``configs/*.yaml``) and ``key=value`` overrides from the command line. :func:`load_config` merges
+them with OmegaConf and :func:`validate` checks every field and the cross-field rules. Every problem
+is reported as a :class:`ConfigError` naming the field, the value and what is allowed, so the CLI
+can print one line and exit with status 2.
+
+Model- and data-specific options live under ``model.options`` and ``data.options``; their schema is
+the options dataclass that the chosen model or data source registers (see
+:mod:`rfedray.registry`), so ``model.options.d`` is type-checked like any other field.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+ENGINES = ("ray", "local")
+ACCOUNTANTS = ("exact", "clt", "prirfed")
+SCHEMES = ("projavg", "rlavg", "retavg", "kfavg")
+WEIGHTINGS = ("uniform", "data_size")
+RETRACTIONS = ("polar", "qr")
+OPTIMIZERS = ("rsgd", "sgd", "adam")
+SCHEDULES = ("constant", "step", "cosine")
+PLACEMENTS = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration value that is not allowed.
+
+    Parameters
+    ----------
+    field : str
+        Dotted path of the offending field, e.g. ``federation.clients_per_round``.
+    value : Any
+        The value that was given.
+    allowed : str
+        What would have been accepted.
+    """
+
+    def __init__(self, field: str, value: Any, allowed: str):
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{field}={value!r}: {allowed}")
+
+
+@dataclass
+class RunConfig:
+    """What to run and where its artifacts go."""
+
+    name: str = "fedpca"
+    seed: int = 0
+    rounds: int = 50
+    output_dir: str = "runs"
+    engine: str = "local"
+    checkpoint_every: int = 10
+    evaluate_every: int = 1
+
+
+@dataclass
+class FederationConfig:
+    """Population, cohort and local work: n clients, k per round, tau steps of B records."""
+
+    n_clients: int = 10
+    clients_per_round: int = 5
+    local_steps: int = 5
+    batch_size: int = 50
+
+
+@dataclass
+class PrivacyConfig:
+    """Record-level DP: clip C, noise std sigma (absolute) or calibration to (epsilon, delta)."""
+
+    enabled: bool = True
+    epsilon: Optional[float] = 1.0
+    delta: float = 1e-5
+    clip: float = 0.35
+    sigma: Optional[float] = None
+    accountant: str = "exact"
+    noise_seed: Optional[int] = None
+    halt_at_target: bool = True
+
+
+@dataclass
+class ModelConfig:
+    """The model; ``options`` is checked against the model's own options dataclass."""
+
+    name: str = "fedpca"
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    """The data source; ``options`` is checked against the source's own options dataclass."""
+
+    source: str = "synthetic_pca"
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AggregationConfig:
+    """Server-side combination of the cohort's submissions."""
+
+    scheme: str = "projavg"
+    weighting: str = "uniform"
+    retraction: str = "polar"
+
+
+@dataclass
+class OptimizerConfig:
+    """A local optimiser for one parameter group, with its learning-rate schedule."""
+
+    name: str = "rsgd"
+    lr: float = 0.2
+    momentum: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    schedule: str = "constant"
+    step_size: int = 100
+    gamma: float = 0.5
+
+
+@dataclass
+class RayConfig:
+    """How the Ray engine places client actors."""
+
+    address: Optional[str] = None
+    num_client_actors: Optional[int] = None
+    clients_per_actor: int = 0
+    num_cpus_per_actor: float = 1.0
+    num_gpus_per_actor: float = 0.0
+    placement: str = "SPREAD"
+    round_timeout_s: float = 300.0
+    max_restarts: int = 3
+    device: str = "auto"
+
+
+@dataclass
+class MonitoringConfig:
+    """Prometheus endpoint and console progress."""
+
+    metrics_port: Optional[int] = None
+    metrics_host: str = "127.0.0.1"
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    """The whole run configuration."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    optim: Dict[str, OptimizerConfig] = field(
+        default_factory=lambda: {"default": OptimizerConfig()}
+    )
+    ray: RayConfig = field(default_factory=RayConfig)
+    monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
+
+
+def _all_keys(dc: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of every field of a (nested) dataclass type or instance."""
+    keys = []
+    for f in fields(dc):
+        path = f"{prefix}{f.name}"
+        keys.append(path)
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            keys.extend(_all_keys(default, path + "."))
+    return keys
+
+
+def _closest(key: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError("config", str(path), "config file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError("config", str(path), f"YAML syntax error{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config", str(path), "must be a YAML mapping of sections")
+    return data
+
+
+def _check_unknown_keys(data: dict, schema: Any, prefix: str = "") -> None:
+    """Refuse keys that are not fields, suggesting the closest valid one."""
+    names = {f.name: f for f in fields(schema)}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            candidates = [f"{prefix}{n}" for n in names]
+            raise ConfigError(path, value, "unknown key" + _closest(path, candidates))
+        f = names[key]
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default) and isinstance(value, dict):
+            _check_unknown_keys(value, default, path + ".")
+        elif key == "optim" and prefix == "" and isinstance(value, dict):
+            for group, opt in value.items():
+                if isinstance(opt, dict):
+                    _check_unknown_keys(opt, OptimizerConfig, f"optim.{group}.")
+
+
+def _dotlist_to_dict(overrides: list[str]) -> dict:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError("override", item, "overrides are written key=value, e.g. federation.clients_per_round=20")
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        raise ConfigError("override", " ".join(overrides), str(exc).splitlines()[0]) from None
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Defaults, then a YAML file, then ``key=value`` overrides; validated.
+
+    Raises
+    ------
+    ConfigError
+        For a missing file, a YAML syntax error, an unknown key, a wrong type or any value outside
+        its allowed range.
+    """
+    data: dict = _read_yaml(Path(path)) if path is not None else {}
+    if overrides:
+        data = _deep_merge(data, _dotlist_to_dict(overrides))
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict) -> Config:
+    """Merge a plain nested dict onto the defaults, type-check it and validate it."""
+    _check_unknown_keys(data, Config)
+    schema = OmegaConf.structured(Config)
+    try:
+        merged = OmegaConf.merge(schema, data)
+    except (ValidationError, ConfigKeyError) as exc:
+        key = getattr(exc, "full_key", None) or "config"
+        value = getattr(exc, "value", None)
+        msg = str(exc).splitlines()[0]
+        raise ConfigError(str(key), value, msg) from None
+    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved configuration as YAML (what ``config show`` prints and runs save)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
+
+
+def _choice(fieldname: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(fieldname, value, "must be one of " + ", ".join(allowed) + _closest(str(value), list(allowed)).replace("did you mean", "closest"))
+
+
+def _positive_int(fieldname: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(fieldname, value, "must be an integer >= 1")
+
+
+def _positive(fieldname: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(fieldname, value, "must be a finite number > 0")
+
+
+def validate(cfg: Config) -> None:
+    """Check every field and the cross-field rules; raise :class:`ConfigError` on the first problem."""
+    r, fed, p, agg = cfg.run, cfg.federation, cfg.privacy, cfg.aggregation
+    _choice("run.engine", r.engine, ENGINES)
+    _positive_int("run.rounds", r.rounds)
+    _positive_int("run.checkpoint_every", r.checkpoint_every)
+    _positive_int("run.evaluate_every", r.evaluate_every)
+    if r.seed < 0:
+        raise ConfigError("run.seed", r.seed, "must be an integer >= 0")
+    if not r.output_dir:
+        raise ConfigError("run.output_dir", r.output_dir, "must be a non-empty path")
+
+    _positive_int("federation.n_clients", fed.n_clients)
+    _positive_int("federation.clients_per_round", fed.clients_per_round)
+    if fed.clients_per_round > fed.n_clients:
+        raise ConfigError(
+            "federation.clients_per_round", fed.clients_per_round,
+            f"must be between 1 and federation.n_clients ({fed.n_clients})",
+        )
+    _positive_int("federation.local_steps", fed.local_steps)
+    _positive_int("federation.batch_size", fed.batch_size)
+
+    _choice("privacy.accountant", p.accountant, ACCOUNTANTS)
+    if not (0.0 < p.delta < 1.0):
+        raise ConfigError("privacy.delta", p.delta, "must be in the open interval (0, 1)")
+    _positive("privacy.clip", p.clip)
+    if p.epsilon is not None:
+        _positive("privacy.epsilon", p.epsilon)
+    if p.sigma is not None:
+        _positive("privacy.sigma", p.sigma)
+    if p.enabled and p.epsilon is None and p.sigma is None:
+        raise ConfigError("privacy.epsilon", None, "give a target epsilon (sigma is then calibrated) or a sigma")
+    if p.noise_seed is not None and p.noise_seed < 0:
+        raise ConfigError("privacy.noise_seed", p.noise_seed, "must be null (OS entropy) or an integer >= 0")
+
+    _choice("aggregation.scheme", agg.scheme, SCHEMES)
+    _choice("aggregation.weighting", agg.weighting, WEIGHTINGS)
+    _choice("aggregation.retraction", agg.retraction, RETRACTIONS)
+
+    if not cfg.optim:
+        raise ConfigError("optim", {}, "needs at least a 'default' optimiser")
+    for group, opt in cfg.optim.items():
+        base = f"optim.{group}"
+        _choice(f"{base}.name", opt.name, OPTIMIZERS)
+        _positive(f"{base}.lr", opt.lr)
+        if not (0.0 <= opt.momentum < 1.0):
+            raise ConfigError(f"{base}.momentum", opt.momentum, "must be in [0, 1)")
+        for b in ("beta1", "beta2"):
+            if not (0.0 <= getattr(opt, b) < 1.0):
+                raise ConfigError(f"{base}.{b}", getattr(opt, b), "must be in [0, 1)")
+        _positive(f"{base}.eps", opt.eps)
+        if opt.weight_decay < 0:
+            raise ConfigError(f"{base}.weight_decay", opt.weight_decay, "must be >= 0")
+        _choice(f"{base}.schedule", opt.schedule, SCHEDULES)
+        _positive_int(f"{base}.step_size", opt.step_size)
+        if not (0.0 < opt.gamma <= 1.0):
+            raise ConfigError(f"{base}.gamma", opt.gamma, "must be in (0, 1]")
+
+    ray = cfg.ray
+    if ray.num_client_actors is not None:
+        _positive_int("ray.num_client_actors", ray.num_client_actors)
+    if ray.clients_per_actor < 0:
+        raise ConfigError("ray.clients_per_actor", ray.clients_per_actor, "must be >= 0 (0 spreads clients evenly over the actors)")
+    if ray.num_cpus_per_actor < 0:
+        raise ConfigError("ray.num_cpus_per_actor", ray.num_cpus_per_actor, "must be >= 0")
+    if ray.num_gpus_per_actor < 0:
+        raise ConfigError("ray.num_gpus_per_actor", ray.num_gpus_per_actor, "must be >= 0 (fractions pack actors on a GPU)")
+    _choice("ray.placement", ray.placement, PLACEMENTS)
+    _positive("ray.round_timeout_s", ray.round_timeout_s)
+    if ray.max_restarts < -1:
+        raise ConfigError("ray.max_restarts", ray.max_restarts, "must be >= -1 (-1 restarts forever)")
+    _choice("ray.device", ray.device, DEVICES)
+
+    mon = cfg.monitoring
+    if mon.metrics_port is not None and not (0 <= mon.metrics_port <= 65535):
+        raise ConfigError("monitoring.metrics_port", mon.metrics_port, "must be null (off) or a port in [0, 65535]")
+
+    # Model and data options are validated by their registered schemas.
+    from rfedray import registry
+
+    registry.validate_options(cfg)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Set up rfedray on a fresh machine: a virtual environment in .venv with the pinned packages of
+# constraints.txt (the same file the CI and the cluster nodes use). Idempotent: a second run only
+# checks a stamp and returns. With --test it also installs what the integration tests need
+# (Debian's prometheus, for the real scrape test) when it is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+WITH_TEST=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) WITH_TEST=1 ;;
+    *) echo "setup.sh: unknown option $arg (allowed: --test)" >&2; exit 2 ;;
+  esac
+done
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.rfedray-stamp
+want=$(cat constraints.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing pinned packages (constraints.txt)"
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
+  .venv/bin/python -m pip install -q -c constraints.txt "torch==$(grep '^torch==' constraints.txt | cut -d= -f3)"
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+  echo "$want" > "$stamp"
+fi
+
+if [ "$WITH_TEST" = 1 ] && ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing Debian's prometheus for the scrape test"
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+    # The package starts a system service; the tests run their own server.
+    (systemctl stop prometheus 2>/dev/null || service prometheus stop 2>/dev/null || pkill -x prometheus || true) >/dev/null 2>&1
+  else
+    echo "setup: prometheus not found and cannot apt-get install it; the scrape test will fail" >&2
+  fi
+fi
+echo "setup: ready (.venv)"
