@@ -24,6 +24,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from rfedray.errors import RfedrayError
+
 ENGINES = ("ray", "local")
 ACCOUNTANTS = ("exact", "clt", "prirfed")
 SCHEMES = ("projavg", "rlavg", "retavg", "kfavg")
@@ -35,7 +37,7 @@ PLACEMENTS = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
 DEVICES = ("auto", "cpu", "cuda")
 
 
-class ConfigError(ValueError):
+class ConfigError(RfedrayError, ValueError):
     """A configuration value that is not allowed.
 
     Parameters
@@ -85,7 +87,7 @@ class PrivacyConfig:
     enabled: bool = True
     epsilon: Optional[float] = 1.0
     delta: float = 1e-5
-    clip: float = 0.35
+    clip: float = 0.3548
     sigma: Optional[float] = None
     accountant: str = "exact"
     noise_seed: Optional[int] = None

@@ -1,0 +1,139 @@
+"""Synthetic federated PCA data: heterogeneous clients sharing a top-p subspace.
+
+Client ``i`` draws records ``z ~ N(0, Sigma_i)`` with ``Sigma_i = U_i diag(lambda) U_i^T + s^2 I``,
+where ``U_i = Pi_St(U + h G_i)`` perturbs a common orthonormal basis ``U`` (d x p) by a client-specific
+Gaussian matrix ``G_i`` scaled by the heterogeneity ``h``. Records are normalised to unit norm, so
+every per-record gradient of the PCA loss ``-z^T P z`` is bounded (the clip then acts on a known
+scale). The pooled covariance of all training records defines the optimum ``P*`` that the
+optimality gap is measured against.
+
+Everything is a deterministic function of ``(seed, client_id)``, so any process can regenerate
+any client's partition on its own: records never travel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Optional
+
+import numpy as np
+import torch
+
+from rfedray.config import ConfigError
+from rfedray.task import ClientData, EvalData
+
+
+@dataclass
+class Options:
+    """Schema of ``data.options`` for ``data.source: synthetic_pca``."""
+
+    d: int = 40
+    p: int = 4
+    records_per_client: int = 1000
+    size_spread: float = 0.0
+    heterogeneity: float = 0.1
+    eigengap: float = 1.0
+    noise_std: float = 0.3
+    dtype: str = "float32"
+
+    def validate(self, prefix: str) -> None:
+        if self.d < 2:
+            raise ConfigError(f"{prefix}.d", self.d, "must be an integer >= 2")
+        if not (1 <= self.p < self.d):
+            raise ConfigError(f"{prefix}.p", self.p, f"must be between 1 and d-1 ({self.d - 1})")
+        if self.records_per_client < 1:
+            raise ConfigError(f"{prefix}.records_per_client", self.records_per_client, "must be an integer >= 1")
+        if not (0.0 <= self.size_spread < 1.0):
+            raise ConfigError(f"{prefix}.size_spread", self.size_spread, "must be in [0, 1)")
+        if self.heterogeneity < 0:
+            raise ConfigError(f"{prefix}.heterogeneity", self.heterogeneity, "must be >= 0")
+        if self.eigengap <= 0:
+            raise ConfigError(f"{prefix}.eigengap", self.eigengap, "must be > 0")
+        if self.noise_std < 0:
+            raise ConfigError(f"{prefix}.noise_std", self.noise_std, "must be >= 0")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
+
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def _rng(seed: int, *key: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence(entropy=seed, spawn_key=(0x5CA,) + key))
+
+
+class SyntheticPCA:
+    """A federation of ``n_clients`` PCA clients (see the module docstring).
+
+    Parameters
+    ----------
+    options : Options
+    n_clients : int
+    seed : int
+        Seeds the common subspace, every client's perturbation, size and records.
+    """
+
+    def __init__(self, options: Options, *, n_clients: int, seed: int):
+        self.options = options
+        self.num_clients = n_clients
+        self.seed = seed
+        self.dtype = DTYPES[options.dtype]
+        self.info = {"task": "pca", "d": options.d, "p": options.p, "dataset": "synthetic_pca", "dtype": options.dtype}
+
+    def _basis(self) -> np.ndarray:
+        o = self.options
+        q, _ = np.linalg.qr(_rng(self.seed, 0).standard_normal((o.d, o.p)))
+        return q
+
+    def client_sizes(self) -> list[int]:
+        o = self.options
+        if o.size_spread == 0.0:
+            return [o.records_per_client] * self.num_clients
+        rng = _rng(self.seed, 1)
+        lo = max(1, int(round(o.records_per_client * (1 - o.size_spread))))
+        hi = int(round(o.records_per_client * (1 + o.size_spread)))
+        return [int(v) for v in rng.integers(lo, hi + 1, size=self.num_clients)]
+
+    def _client_covariance_factor(self, client_id: int) -> np.ndarray:
+        """``A_i`` with ``Sigma_i = A_i A_i^T``, shape (d, d)."""
+        o = self.options
+        rng = _rng(self.seed, 2, client_id)
+        perturbed = self._basis() + o.heterogeneity * rng.standard_normal((o.d, o.p)) / np.sqrt(o.d)
+        u, _, vt = np.linalg.svd(perturbed, full_matrices=False)
+        basis = u @ vt
+        spectrum = o.eigengap * (1.0 + np.arange(o.p)[::-1] / max(o.p, 1))
+        return np.concatenate([basis * np.sqrt(spectrum), o.noise_std * np.eye(o.d)], axis=1)
+
+    def _records(self, client_id: int) -> np.ndarray:
+        o = self.options
+        m = self.client_sizes()[client_id]
+        rng = _rng(self.seed, 3, client_id)
+        factor = self._client_covariance_factor(client_id)
+        z = rng.standard_normal((m, factor.shape[1])) @ factor.T
+        return z / np.linalg.norm(z, axis=1, keepdims=True)
+
+    def client_data(self, client_id: int) -> ClientData:
+        if not (0 <= client_id < self.num_clients):
+            raise ValueError(f"client_id={client_id}: must be in [0, {self.num_clients - 1}]")
+        return ClientData(train=(torch.as_tensor(self._records(client_id), dtype=self.dtype),))
+
+    @cached_property
+    def pooled_covariance(self) -> np.ndarray:
+        """Mean of ``z z^T`` over every training record of every client, shape (d, d)."""
+        total = np.zeros((self.options.d, self.options.d))
+        count = 0
+        for i in range(self.num_clients):
+            z = self._records(i)
+            total += z.T @ z
+            count += z.shape[0]
+        return total / count
+
+    def eval_data(self) -> EvalData:
+        """The pooled covariance: a simulation oracle (it is computed from the training records)."""
+        cov = torch.as_tensor(self.pooled_covariance, dtype=torch.float64)
+        return EvalData(tensors=(cov,), oracle=True)
+
+
+def build(options: Options, *, n_clients: int, seed: int) -> SyntheticPCA:
+    return SyntheticPCA(options, n_clients=n_clients, seed=seed)

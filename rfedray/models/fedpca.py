@@ -1,0 +1,123 @@
+"""Federated PCA: find the top-p subspace of the pooled covariance, privately.
+
+The parameter is a rank-p projector ``P`` on the Grassmann manifold Gr(d, p) (the paper's
+setting), or an orthonormal basis ``U`` on St(d, p) (projector ``U U^T``), or a unit vector on the
+sphere (p = 1). The loss of a record ``z`` is ``f(P; z) = -z^T P z``; its population version
+``F(P) = -tr(P Sigma)`` is minimised by the top-p eigenspace ``P*`` of ``Sigma``.
+
+Metrics: the optimality gap ``F(P) - F(P*)`` and the chordal distance ``||P - P*||_F / sqrt(2)``
+(the sine-theta distance between the subspaces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from rfedray.config import ConfigError
+from rfedray.geometry import Grassmann, Manifold, Sphere, Stiefel
+from rfedray.task import EvalData, Params
+
+GROUP = "subspace"
+
+
+class GrassmannPCA:
+    """Projector parametrisation: the point is ``P`` itself, shape (d, d)."""
+
+    def __init__(self, d: int, p: int):
+        self.manifold: Manifold = Grassmann(d, p)
+
+    @staticmethod
+    def projector(x: Tensor) -> Tensor:
+        return x
+
+
+class StiefelPCA:
+    """Basis parametrisation: the point is ``U``, shape (d, p), projector ``U U^T``."""
+
+    def __init__(self, d: int, p: int):
+        self.manifold = Stiefel(d, p)
+
+    @staticmethod
+    def projector(x: Tensor) -> Tensor:
+        return x @ x.transpose(-1, -2)
+
+
+class SpherePCA:
+    """Leading eigenvector only (p = 1): the point is ``u``, shape (d,), projector ``u u^T``."""
+
+    def __init__(self, d: int, p: int):
+        if p != 1:
+            raise ConfigError("model.options.p", p, "the sphere parametrisation needs p = 1")
+        self.manifold = Sphere(d)
+
+    @staticmethod
+    def projector(x: Tensor) -> Tensor:
+        return torch.outer(x, x)
+
+
+PARAMETRISATIONS = {"grassmann": GrassmannPCA, "stiefel": StiefelPCA, "sphere": SpherePCA}
+
+
+@dataclass
+class Options:
+    """Schema of ``model.options`` for ``model.name: fedpca``."""
+
+    manifold: str = "grassmann"
+    p: Optional[int] = None
+
+    def validate(self, prefix: str) -> None:
+        if self.manifold not in PARAMETRISATIONS:
+            raise ConfigError(f"{prefix}.manifold", self.manifold, "must be one of " + ", ".join(PARAMETRISATIONS))
+        if self.p is not None and self.p < 1:
+            raise ConfigError(f"{prefix}.p", self.p, "must be null (the data's p) or an integer >= 1")
+
+
+class FedPCA:
+    """The federated PCA model (implements :class:`rfedray.task.FederatedModel`).
+
+    Parameters
+    ----------
+    d, p : int
+        Ambient dimension of the records and dimension of the subspace.
+    parametrisation : class from :data:`PARAMETRISATIONS`
+    dtype : torch.dtype
+    """
+
+    def __init__(self, d: int, p: int, parametrisation=GrassmannPCA, dtype: torch.dtype = torch.float32):
+        self.d, self.p, self.dtype = d, p, dtype
+        self.parametrisation = parametrisation(d, p)
+        self.groups = {GROUP: self.parametrisation.manifold}
+
+    def init_params(self, generator: torch.Generator) -> Params:
+        point = self.parametrisation.manifold.random_point(generator=generator, dtype=torch.float64)
+        return {GROUP: point.to(self.dtype)}
+
+    def per_sample_loss(self, params: Params, z: Tensor) -> Tensor:
+        """``-z^T P z`` for one record ``z`` of shape (d,)."""
+        return -(z @ self.parametrisation.projector(params[GROUP]) @ z)
+
+    def evaluate(self, params: Params, data: EvalData) -> dict[str, float]:
+        (cov,) = data.tensors
+        cov = cov.to(torch.float64)
+        proj = self.parametrisation.projector(params[GROUP].to(torch.float64))
+        evals, evecs = torch.linalg.eigh(cov)
+        top = evecs[:, -self.p:]
+        optimum = top @ top.T
+        loss = -torch.trace(proj @ cov)
+        gap = loss + evals[-self.p:].sum()
+        distance = torch.linalg.matrix_norm(proj - optimum) / 2 ** 0.5
+        return {"loss": float(loss), "gap": float(gap), "distance": float(distance)}
+
+
+def build(options: Options, info: dict) -> FedPCA:
+    from rfedray.data.synthetic_pca import DTYPES
+
+    p = options.p if options.p is not None else info["p"]
+    if not (1 <= p < info["d"]):
+        raise ConfigError("model.options.p", p, f"must be between 1 and d-1 ({info['d'] - 1})")
+    dtype = DTYPES[info.get("dtype", "float32")]
+    return FedPCA(info["d"], p, PARAMETRISATIONS[options.manifold], dtype)

@@ -1,0 +1,335 @@
+"""deploy/: `ray up` configurations, KubeRay manifests, the Dockerfile and the README's commands.
+
+Offline checks: Ray's own validator (``prepare_config`` + ``validate_config``, i.e. the JSON schema
+shipped in the ray package) accepts the cluster configurations and rejects broken ones; the
+KubeRay manifests use KubeRay's field names; every file, console script, configuration key and
+``ray`` command line they or the README reference exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import jsonschema
+import pytest
+import yaml
+
+from rfedray import config as rfedray_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+CLUSTER_CONFIGS = [DEPLOY / "aws.yaml", DEPLOY / "gcp.yaml"]
+RAYJOB = DEPLOY / "kuberay" / "rayjob.yaml"
+RAYCLUSTER = DEPLOY / "kuberay" / "raycluster.yaml"
+DOCKERFILE = DEPLOY / "Dockerfile"
+README = DEPLOY / "README.md"
+PYTHON = f"python{sys.version_info.major}.{sys.version_info.minor}"
+OPEN_PORTS = {8000, 8080, 8265}
+
+# Field names of KubeRay's ray.io/v1 types (ray-operator/apis/ray/v1/*_types.go).
+RAYJOB_SPEC_FIELDS = {
+    "activeDeadlineSeconds", "backoffLimit", "rayClusterSpec", "submitterPodTemplate", "metadata",
+    "clusterSelector", "submitterConfig", "managedBy", "deletionPolicy", "deletionStrategy", "entrypoint",
+    "runtimeEnvYAML", "jobId", "submissionMode", "entrypointResources", "entrypointNumCpus",
+    "entrypointNumGpus", "ttlSecondsAfterFinished", "shutdownAfterJobFinishes", "suspend",
+}
+RAYCLUSTER_SPEC_FIELDS = {
+    "suspend", "managedBy", "autoscalerOptions", "headServiceAnnotations", "enableInTreeAutoscaling",
+    "gcsFaultToleranceOptions", "headGroupSpec", "rayVersion", "workerGroupSpecs", "authOptions",
+}
+HEAD_GROUP_FIELDS = {"template", "headService", "enableIngress", "rayStartParams", "serviceType"}
+WORKER_GROUP_FIELDS = {
+    "suspend", "groupName", "replicas", "minReplicas", "maxReplicas", "idleTimeoutSeconds",
+    "rayStartParams", "template", "scaleStrategy", "numOfHosts",
+}
+AUTH_OPTIONS_FIELDS = {"mode", "secretName", "enableK8sTokenAuth"}
+
+
+def load(path: Path):
+    return yaml.safe_load(path.read_text())
+
+
+def constraint(name: str) -> str:
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.lower().startswith(f"{name.lower()}=="):
+            return line.split("==", 1)[1].strip()
+    raise AssertionError(f"{name} is not pinned in constraints.txt")
+
+
+def prepared(config: dict) -> dict:
+    """Ray's validator on the file as written, then what `ray up` does offline before it contacts
+    the cloud: fill in the provider's defaults and validate the result."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    validate_config(config)
+    full = prepare_config(copy.deepcopy(config))
+    validate_config(full)
+    return full
+
+
+@pytest.mark.parametrize("path", CLUSTER_CONFIGS, ids=lambda p: p.name)
+def test_ray_accepts_the_cluster_config(path):
+    config = prepared(load(path))
+    types = config["available_node_types"]
+    head = types[config["head_node_type"]]
+    workers = [t for name, t in types.items() if name != config["head_node_type"]]
+    assert "GPU" not in head["resources"] and head["max_workers"] == 0
+    assert len(workers) == 1
+    (gpu,) = workers
+    assert gpu["resources"]["GPU"] >= 1
+    assert 0 <= gpu["min_workers"] <= gpu["max_workers"] <= config["max_workers"]
+
+
+@pytest.mark.parametrize("path", CLUSTER_CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "breakage, expected",
+    [
+        (lambda c: c.update(max_worker=c.pop("max_workers")), jsonschema.ValidationError),
+        (lambda c: c.update(max_workers="four"), jsonschema.ValidationError),
+        (lambda c: c["available_node_types"]["worker_gpu"].update(
+            min_worker=c["available_node_types"]["worker_gpu"].pop("min_workers")), jsonschema.ValidationError),
+        (lambda c: c["available_node_types"]["worker_gpu"]["resources"].update(GPU="1"), jsonschema.ValidationError),
+        (lambda c: c.update(file_mounts=["./rfedray"]), jsonschema.ValidationError),
+        (lambda c: c.update(idle_timeout_minutes="ten"), jsonschema.ValidationError),
+        (lambda c: c.update(head_node_type="head"), ValueError),
+    ],
+    ids=["typo-top-level-key", "wrong-type-max-workers", "typo-node-type-key", "wrong-type-resource",
+         "mounts-not-a-mapping", "wrong-type-timeout", "unknown-head-type"],
+)
+def test_ray_rejects_a_broken_cluster_config(path, breakage, expected):
+    config = load(path)
+    breakage(config)
+    with pytest.raises(expected):
+        prepared(config)
+
+
+@pytest.mark.parametrize("path", CLUSTER_CONFIGS, ids=lambda p: p.name)
+def test_nodes_get_the_pinned_environment(path):
+    config = load(path)
+    setup = "\n".join(config["setup_commands"])
+    assert f"{PYTHON} -m venv ~/rfedray-venv" in setup
+    assert "cd ~/rfedray" in setup and "pip install -q -c constraints.txt -e ." in setup
+    assert """"torch==$(grep '^torch==' constraints.txt | cut -d= -f3)\"""" in setup
+    pinned = subprocess.run(["bash", "-c", "grep '^torch==' constraints.txt | cut -d= -f3"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.strip()
+    assert pinned == constraint("torch")
+    assert "export RAY_AUTH_MODE=token" in setup and 'export PATH="$HOME/rfedray-venv/bin:$PATH"' in setup
+    # Every command Ray runs on a node is valid bash.
+    for key in ("setup_commands", "head_setup_commands", "worker_setup_commands",
+                "head_start_ray_commands", "worker_start_ray_commands"):
+        for command in config[key]:
+            result = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
+            assert result.returncode == 0, (key, command, result.stderr)
+
+
+@pytest.mark.parametrize("path", CLUSTER_CONFIGS, ids=lambda p: p.name)
+def test_ray_starts_with_metrics_and_reachable_dashboard(path):
+    config = load(path)
+    head = " ".join(config["head_start_ray_commands"])
+    assert "ray start --head" in head
+    assert "--metrics-export-port=8080" in head and "--dashboard-host=0.0.0.0" in head
+    assert "--metrics-export-port=8080" in " ".join(config["worker_start_ray_commands"])
+
+
+@pytest.mark.parametrize("path", CLUSTER_CONFIGS, ids=lambda p: p.name)
+def test_file_mounts_reference_repository_files_and_the_token(path):
+    mounts = load(path)["file_mounts"]
+    assert mounts["~/.ray/auth_token"] == "~/.ray/auth_token"
+    local = {remote: src for remote, src in mounts.items() if not src.startswith("~")}
+    for remote, src in local.items():
+        assert (ROOT / src).exists(), f"{path.name}: file_mounts[{remote!r}] = {src!r} does not exist"
+        assert remote == "~/rfedray/" + src.removeprefix("./"), remote
+    for needed in ("./rfedray", "./configs", "./pyproject.toml", "./constraints.txt"):
+        assert needed in local.values(), needed
+    readme = load_toml(ROOT / "pyproject.toml")["project"].get("readme")
+    if readme:
+        assert f"./{readme}" in local.values(), "pip install -e . needs the README pyproject.toml names"
+
+
+def test_aws_opens_the_metrics_and_dashboard_ports():
+    group = load(DEPLOY / "aws.yaml")["provider"]["security_group"]
+    assert group["GroupName"]
+    ports = {(rule["FromPort"], rule["ToPort"], rule["IpProtocol"]) for rule in group["IpPermissions"]}
+    assert {(p, p, "tcp") for p in OPEN_PORTS} <= ports
+
+
+def test_gcp_tags_the_head_for_the_documented_firewall_rule():
+    config = load(DEPLOY / "gcp.yaml")
+    head = config["available_node_types"][config["head_node_type"]]["node_config"]
+    assert head["tags"]["items"] == ["rfedray-head"]
+    readme = README.read_text()
+    rule = re.search(r"gcloud compute firewall-rules create rfedray-head(.|\n)*?--source-ranges", readme)
+    assert rule, "README: the gcloud firewall rule"
+    assert "--allow tcp:8000,tcp:8080,tcp:8265" in rule.group(0) and "--target-tags rfedray-head" in rule.group(0)
+    gpu = config["available_node_types"]["worker_gpu"]["node_config"]
+    assert gpu["guestAccelerators"][0]["acceleratorCount"] == 1
+    assert gpu["scheduling"] == [{"onHostMaintenance": "TERMINATE"}]
+
+
+def _containers(group: dict) -> list[dict]:
+    return group["template"]["spec"]["containers"]
+
+
+def _check_cluster_spec(spec: dict, where: str) -> None:
+    assert set(spec) <= RAYCLUSTER_SPEC_FIELDS, (where, set(spec) - RAYCLUSTER_SPEC_FIELDS)
+    assert spec["rayVersion"] == constraint("ray")
+    assert set(spec["authOptions"]) <= AUTH_OPTIONS_FIELDS and spec["authOptions"]["mode"] == "token"
+    head = spec["headGroupSpec"]
+    assert set(head) <= HEAD_GROUP_FIELDS, (where, set(head) - HEAD_GROUP_FIELDS)
+    assert all(isinstance(v, str) for v in head["rayStartParams"].values()), "rayStartParams values are strings"
+    (head_container,) = _containers(head)
+    assert "nvidia.com/gpu" not in head_container["resources"].get("limits", {})
+    ports = {p["containerPort"]: p["name"] for p in head_container["ports"]}
+    assert ports[8265] == "dashboard" and ports[8000] == "rfedray-metrics" and ports[6379] == "gcs-server"
+    assert spec["workerGroupSpecs"], where
+    for group in spec["workerGroupSpecs"]:
+        assert set(group) <= WORKER_GROUP_FIELDS, (where, set(group) - WORKER_GROUP_FIELDS)
+        assert group["groupName"] and isinstance(group["rayStartParams"], dict)
+        assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        (worker,) = _containers(group)
+        limits = worker["resources"]["limits"]
+        assert int(limits["nvidia.com/gpu"]) >= 1
+        assert worker["resources"]["requests"]["nvidia.com/gpu"] == limits["nvidia.com/gpu"]
+    images = {c["image"] for c in [head_container, *(c for g in spec["workerGroupSpecs"] for c in _containers(g))]}
+    workdirs = {c["workingDir"] for c in [head_container, *(c for g in spec["workerGroupSpecs"] for c in _containers(g))]}
+    assert len(images) == 1 and workdirs == {_dockerfile_workdir()}
+
+
+def test_rayjob_manifest_has_kuberay_fields():
+    job = load(RAYJOB)
+    assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob" and job["metadata"]["name"]
+    spec = job["spec"]
+    assert set(spec) <= RAYJOB_SPEC_FIELDS, set(spec) - RAYJOB_SPEC_FIELDS
+    assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] > 0
+    _check_cluster_spec(spec["rayClusterSpec"], "RayJob.spec.rayClusterSpec")
+
+
+def test_raycluster_manifest_has_kuberay_fields():
+    cluster = load(RAYCLUSTER)
+    assert cluster["apiVersion"] == "ray.io/v1" and cluster["kind"] == "RayCluster"
+    assert cluster["metadata"]["name"] == "rfedray"
+    _check_cluster_spec(cluster["spec"], "RayCluster.spec")
+    job_cluster = load(RAYJOB)["spec"]["rayClusterSpec"]
+    assert cluster["spec"] == job_cluster, "the RayJob's cluster and the RayCluster should be the same cluster"
+
+
+def _rfedray_command(entrypoint: str) -> list[str]:
+    words = shlex.split(entrypoint)
+    assert words[:2] == ["rfedray", "run"], entrypoint
+    return words
+
+
+def test_rayjob_entrypoint_uses_the_console_script_and_valid_config_keys():
+    words = _rfedray_command(load(RAYJOB)["spec"]["entrypoint"])
+    scripts = load_toml(ROOT / "pyproject.toml")["project"]["scripts"]
+    assert scripts["rfedray"] == "rfedray.cli:main"
+    assert not any(ch in " ".join(words) for ch in "&|;`"), "KubeRay passes the entrypoint to a shell as is"
+    overrides = words[3:]
+    keys = set(rfedray_config._all_keys(rfedray_config.Config))
+    for item in overrides:
+        key, _, _ = item.partition("=")
+        assert key in keys, f"entrypoint override {item!r}: not a configuration key"
+
+
+def test_rayjob_entrypoint_config_file_exists_and_loads():
+    words = _rfedray_command(load(RAYJOB)["spec"]["entrypoint"])
+    path = ROOT / words[2]
+    assert path.is_file(), f"{words[2]} (run by deploy/kuberay/rayjob.yaml and deploy/README.md) does not exist"
+    cfg = rfedray_config.load_config(path, words[3:])
+    assert cfg.run.engine == "ray" and cfg.monitoring.metrics_port == 8000 and cfg.monitoring.metrics_host == "0.0.0.0"
+
+
+def load_toml(path: Path) -> dict:
+    import tomllib
+
+    return tomllib.loads(path.read_text())
+
+
+def _dockerfile_instructions() -> list[tuple[str, str]]:
+    logical, current = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if not current and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        current += line.rstrip("\\").rstrip() + " " if line.rstrip().endswith("\\") else line
+        if not line.rstrip().endswith("\\"):
+            keyword, _, rest = current.strip().partition(" ")
+            logical.append((keyword.upper(), rest.strip()))
+            current = ""
+    return logical
+
+
+def _dockerfile_workdir() -> str:
+    (workdir,) = [rest for keyword, rest in _dockerfile_instructions() if keyword == "WORKDIR"]
+    return workdir
+
+
+def test_dockerfile_installs_the_pinned_environment():
+    instructions = _dockerfile_instructions()
+    assert instructions[0][0] == "FROM" and instructions[0][1].startswith("nvidia/cuda:")
+    runs = [rest for keyword, rest in instructions if keyword == "RUN"]
+    joined = "\n".join(runs)
+    assert f"{PYTHON} -m venv /opt/rfedray-venv" in joined
+    assert """pip install -c constraints.txt "torch==$(grep '^torch==' constraints.txt | cut -d= -f3)\"""" in joined
+    assert "pip install -c constraints.txt -e ." in joined
+    for command in runs:
+        result = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
+        assert result.returncode == 0, (command, result.stderr)
+    for keyword, rest in instructions:
+        if keyword == "COPY":
+            *sources, _ = rest.split()
+            for src in sources:
+                assert (ROOT / src).exists(), f"Dockerfile COPY {src}: not in the repository"
+
+
+def _readme_commands(prefix: str) -> list[list[str]]:
+    """Command lines of the README's bash blocks that start with ``prefix``, continuations joined."""
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+    commands = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("  #", 1)[0].strip().rstrip("&").strip()
+            if line.startswith(prefix + " "):
+                commands.append(shlex.split(line))
+    return commands
+
+
+def test_readme_ray_commands_parse_with_rays_cli():
+    from ray.scripts.scripts import cli
+
+    commands = _readme_commands("ray")
+    used = {" ".join(words[1:3]) for words in commands}
+    for needed in ("get-auth-token --generate", "up -y", "job submit", "rsync-down deploy/aws.yaml", "down -y"):
+        assert any(u.startswith(needed) for u in used), needed
+    for words in commands:
+        command, name, args, ctx = cli, "ray", words[1:], None
+        while isinstance(command, click.Group):
+            ctx = click.Context(command, info_name=name, parent=ctx)
+            name, command, args = command.resolve_command(ctx, args)
+        command.make_context(name, list(args), parent=ctx)  # raises click.UsageError for a bad option
+        for arg in words:
+            if arg.startswith("deploy/"):
+                assert (ROOT / arg).exists(), arg
+
+
+def test_readme_submits_the_same_run_as_the_rayjob():
+    entrypoint = load(RAYJOB)["spec"]["entrypoint"]
+    submits = [w for w in _readme_commands("ray") if w[1:3] == ["job", "submit"]]
+    assert submits
+    for words in submits:
+        command = words[words.index("--") + 1:]
+        if command[:2] == ["bash", "-c"]:
+            cd, _, rest = command[2].partition(" && ")
+            assert cd == "cd ~/rfedray"
+            command = shlex.split(rest)
+        assert command == shlex.split(entrypoint), words
+    readme = README.read_text()
+    for phrase in ("RAY_AUTH_MODE=token", "~/.ray/auth_token", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        assert phrase in readme, phrase
