@@ -19,12 +19,16 @@ MODELS = {
     "fedpca": "rfedray.models.fedpca",
     "spdnet": "rfedray.models.spdnet",
     "eegnet": "rfedray.models.eegnet",
+    "logreg": "rfedray.models.logreg",
+    "mlp": "rfedray.models.mlp",
 }
 
 DATA_SOURCES = {
     "synthetic_pca": "rfedray.data.synthetic_pca",
     "synthetic_eeg": "rfedray.data.synthetic_eeg",
     "moabb": "rfedray.data.eeg",
+    "sklearn": "rfedray.data.sklearn_data",
+    "vision": "rfedray.data.vision",
 }
 
 

@@ -32,6 +32,16 @@ def eye_like(a: Tensor) -> Tensor:
     return torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand(a.shape)
 
 
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least float64: the dtype in which the projections onto a manifold are computed.
+
+    A float32 SVD or eigendecomposition leaves its orthonormal factors about ten float32 epsilons
+    off the manifold; computing them in float64 and rounding once puts the result within the
+    rounding error of the float32 representation itself.
+    """
+    return torch.promote_types(dtype, torch.float64)
+
+
 def qr_solve(a: Tensor, b: Tensor) -> Tensor:
     """Solve ``A X = B`` through a QR factorisation and one triangular solve.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rfedray.geometry.base import Manifold, eye_like, matrix_exp, qr_solve, sym
+from rfedray.geometry.base import Manifold, eye_like, matrix_exp, qr_solve, sym, working_dtype
 from rfedray.geometry.stiefel import qr_factor
 
 
@@ -21,16 +21,17 @@ class _TopEigenprojector(torch.autograd.Function):
     ``F_ij = (f_i - f_j) / (l_i - l_j)`` for the indicator ``f`` of the top ``p`` eigenvalues and
     ``F_ij = 0`` where ``f_i = f_j``, so it stays finite at repeated eigenvalues inside each group
     (on the manifold all eigenvalues are 0 or 1, where ``eigh``'s own backward is not finite).
-    The map is self-adjoint, so ``jvp`` and ``backward`` are the same formula.
+    The map is self-adjoint, so ``jvp`` and ``backward`` are the same formula. Computed in at
+    least float64 (see :func:`~rfedray.geometry.base.working_dtype`).
     """
 
     generate_vmap_rule = True
 
     @staticmethod
     def forward(a: Tensor, p: int) -> tuple[Tensor, Tensor, Tensor]:
-        evals, evecs = torch.linalg.eigh(a)
+        evals, evecs = torch.linalg.eigh(a.to(working_dtype(a.dtype)))
         top = evecs[..., -p:]
-        return top @ top.mT, evals, evecs
+        return (top @ top.mT).to(a.dtype), evals, evecs
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -48,7 +49,7 @@ class _TopEigenprojector(torch.autograd.Function):
         jump = top[:, None] - top[None, :]
         gap = evals[..., :, None] - evals[..., None, :]
         f = torch.where(jump != 0, jump / torch.where(jump != 0, gap, torch.ones_like(gap)), torch.zeros_like(gap))
-        return evecs @ (f * (evecs.mT @ sym(da) @ evecs)) @ evecs.mT
+        return (evecs @ (f * (evecs.mT @ sym(da).to(evecs.dtype) @ evecs)) @ evecs.mT).to(da.dtype)
 
     @staticmethod
     def jvp(ctx, da: Tensor, dp: None) -> tuple[Tensor, None, None]:
@@ -141,7 +142,9 @@ class Grassmann(Manifold):
         gram = eye_like(bt.mT @ bt) - bt.mT @ bt
         chol, info = torch.linalg.cholesky_ex(gram)
         if bool((info != 0).any()):
-            raise ValueError("y is outside the image of the projection retraction at x (principal angles >= 45 degrees)")
+            raise ValueError(
+                "y is outside the image of the projection retraction at x (principal angles >= 45 degrees)"
+            )
         b = torch.cholesky_solve(bt.mT, chol).mT
         return u @ b.mT + b @ u.mT
 

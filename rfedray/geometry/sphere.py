@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rfedray.geometry.base import Manifold
+from rfedray.geometry.base import Manifold, working_dtype
 
 
 def _inner(x: Tensor, z: Tensor) -> Tensor:
@@ -29,9 +29,10 @@ class Sphere(Manifold):
         self.ambient_dim = int(n)
 
     def project(self, y: Tensor) -> Tensor:
-        """``Pi(y) = y / ||y||`` for ``y != 0``, shape ``(..., n)``."""
+        """``Pi(y) = y / ||y||`` for ``y != 0``, shape ``(..., n)``, computed in at least float64."""
         self._check_shape("y", y)
-        return y / torch.linalg.vector_norm(y, dim=-1, keepdim=True)
+        w = y.to(working_dtype(y.dtype))
+        return (w / torch.linalg.vector_norm(w, dim=-1, keepdim=True)).to(y.dtype)
 
     def proj_tangent(self, x: Tensor, z: Tensor) -> Tensor:
         """``P_x z = z - <x, z> x``; ``x`` broadcasts against ``z``, shape ``(..., n)``."""

@@ -13,7 +13,17 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
-from rfedray.geometry.base import Manifold, NotConvergedError, eye_like, frobenius_norm, matrix_exp, qr_solve, sym
+from rfedray.geometry.base import (
+    Manifold,
+    NotConvergedError,
+    eye_like,
+    frobenius_norm,
+    matrix_exp,
+    qr_solve,
+    sym,
+    working_dtype,
+)
+
 
 class _PolarFactor(torch.autograd.Function):
     """Orthogonal polar factor ``Q = U V^T`` of ``Y = U S V^T``, with derivatives that stay finite
@@ -23,14 +33,15 @@ class _PolarFactor(torch.autograd.Function):
     With ``Y = Q H`` (``H = V S V^T``), ``dQ = Q Omega + (I - Q Q^T) dY H^{-1}`` where the skew
     ``Omega`` solves ``Omega H + H Omega = Q^T dY - dY^T Q``; in the eigenbasis of ``H`` this is
     an elementwise division by ``s_i + s_j > 0``. ``jvp`` is that map and ``backward`` its adjoint.
+    Computed in at least float64 (see :func:`~rfedray.geometry.base.working_dtype`).
     """
 
     generate_vmap_rule = True
 
     @staticmethod
     def forward(y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        u, s, vh = torch.linalg.svd(y, full_matrices=False)
-        return u @ vh, s, vh
+        u, s, vh = torch.linalg.svd(y.to(working_dtype(y.dtype)), full_matrices=False)
+        return (u @ vh).to(y.dtype), s, vh
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -40,23 +51,22 @@ class _PolarFactor(torch.autograd.Function):
         ctx.save_for_forward(q, s, vh)
 
     @staticmethod
-    def _derivative(q: Tensor, s: Tensor, vh: Tensor, a: Tensor, normal: Tensor) -> Tensor:
-        """``Q V [(V^T (A - A^T) V) / (s_i + s_j)] V^T + normal V S^{-1} V^T``."""
+    def _derivative(ctx, g: Tensor) -> Tensor:
+        """``Q V [(V^T (A - A^T) V) / (s_i + s_j)] V^T + (G - Q A) V S^{-1} V^T`` with ``A = Q^T G``."""
+        q, s, vh = ctx.saved_tensors
+        q, w = q.to(s.dtype), g.to(s.dtype)
+        a = q.mT @ w
         v = vh.mT
         rotation = (vh @ (a - a.mT) @ v) / (s[..., :, None] + s[..., None, :])
-        return (q @ (v @ rotation) + normal @ (v / s[..., None, :])) @ vh
+        return ((q @ (v @ rotation) + (w - q @ a) @ (v / s[..., None, :])) @ vh).to(g.dtype)
 
     @staticmethod
     def jvp(ctx, dy: Tensor) -> tuple[Tensor, None, None]:
-        q, s, vh = ctx.saved_tensors
-        a = q.mT @ dy
-        return _PolarFactor._derivative(q, s, vh, a, dy - q @ a), None, None
+        return _PolarFactor._derivative(ctx, dy), None, None
 
     @staticmethod
     def backward(ctx, grad_q: Tensor, grad_s: Tensor, grad_vh: Tensor) -> Tensor:
-        q, s, vh = ctx.saved_tensors
-        a = q.mT @ grad_q
-        return _PolarFactor._derivative(q, s, vh, a, grad_q - q @ a)
+        return _PolarFactor._derivative(ctx, grad_q)
 
 
 def polar_factor(y: Tensor) -> Tensor:
@@ -65,10 +75,13 @@ def polar_factor(y: Tensor) -> Tensor:
 
 
 def qr_factor(y: Tensor) -> Tensor:
-    """Q factor of the thin QR decomposition ``y = Q R`` with ``diag(R) > 0``, shape ``(..., d, p)``."""
-    q, r = torch.linalg.qr(y)
-    sign = torch.where(torch.diagonal(r, dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(y.dtype)
-    return q * sign[..., None, :]
+    """Q factor of the thin QR decomposition ``y = Q R`` with ``diag(R) > 0``, shape ``(..., d, p)``.
+
+    Computed in at least float64 (see :func:`~rfedray.geometry.base.working_dtype`).
+    """
+    q, r = torch.linalg.qr(y.to(working_dtype(y.dtype)))
+    sign = torch.where(torch.diagonal(r, dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(q.dtype)
+    return (q * sign[..., None, :]).to(y.dtype)
 
 
 class StiefelRetraction(ABC):
@@ -221,9 +234,8 @@ class Stiefel(Manifold):
         if isinstance(retraction, type):
             retraction = retraction()
         if not isinstance(retraction, StiefelRetraction):
-            raise ValueError(
-                f"retraction={retraction!r}: must be one of {', '.join(c.__name__ for c in STIEFEL_RETRACTIONS.values())}"
-            )
+            allowed = ", ".join(c.__name__ for c in STIEFEL_RETRACTIONS.values())
+            raise ValueError(f"retraction={retraction!r}: must be one of {allowed} (class or instance)")
         if log_tol is not None and not log_tol > 0:
             raise ValueError(f"log_tol={log_tol!r}: must be None or a number > 0")
         if int(log_max_iter) != log_max_iter or log_max_iter < 1:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from rfedray.config import ConfigError
-from rfedray.geometry import Grassmann, Manifold, Sphere, Stiefel
+from rfedray.geometry import Grassmann, Manifold, PolarRetraction, Sphere, Stiefel
 from rfedray.task import EvalData, Params
 
 GROUP = "subspace"
@@ -27,7 +27,7 @@ GROUP = "subspace"
 class GrassmannPCA:
     """Projector parametrisation: the point is ``P`` itself, shape (d, d)."""
 
-    def __init__(self, d: int, p: int):
+    def __init__(self, d: int, p: int, retraction=None):
         self.manifold: Manifold = Grassmann(d, p)
 
     @staticmethod
@@ -38,8 +38,8 @@ class GrassmannPCA:
 class StiefelPCA:
     """Basis parametrisation: the point is ``U``, shape (d, p), projector ``U U^T``."""
 
-    def __init__(self, d: int, p: int):
-        self.manifold = Stiefel(d, p)
+    def __init__(self, d: int, p: int, retraction=PolarRetraction):
+        self.manifold = Stiefel(d, p, retraction)
 
     @staticmethod
     def projector(x: Tensor) -> Tensor:
@@ -49,7 +49,7 @@ class StiefelPCA:
 class SpherePCA:
     """Leading eigenvector only (p = 1): the point is ``u``, shape (d,), projector ``u u^T``."""
 
-    def __init__(self, d: int, p: int):
+    def __init__(self, d: int, p: int, retraction=None):
         if p != 1:
             raise ConfigError("model.options.p", p, "the sphere parametrisation needs p = 1")
         self.manifold = Sphere(d)
@@ -87,9 +87,10 @@ class FedPCA:
     dtype : torch.dtype
     """
 
-    def __init__(self, d: int, p: int, parametrisation=GrassmannPCA, dtype: torch.dtype = torch.float32):
+    def __init__(self, d: int, p: int, parametrisation=GrassmannPCA, dtype: torch.dtype = torch.float32,
+                 retraction=PolarRetraction):
         self.d, self.p, self.dtype = d, p, dtype
-        self.parametrisation = parametrisation(d, p)
+        self.parametrisation = parametrisation(d, p, retraction)
         self.groups = {GROUP: self.parametrisation.manifold}
 
     def init_params(self, generator: torch.Generator) -> Params:
@@ -113,11 +114,11 @@ class FedPCA:
         return {"loss": float(loss), "gap": float(gap), "distance": float(distance)}
 
 
-def build(options: Options, info: dict) -> FedPCA:
+def build(options: Options, info: dict, retraction=PolarRetraction) -> FedPCA:
     from rfedray.data.synthetic_pca import DTYPES
 
     p = options.p if options.p is not None else info["p"]
     if not (1 <= p < info["d"]):
         raise ConfigError("model.options.p", p, f"must be between 1 and d-1 ({info['d'] - 1})")
     dtype = DTYPES[info.get("dtype", "float32")]
-    return FedPCA(info["d"], p, PARAMETRISATIONS[options.manifold], dtype)
+    return FedPCA(info["d"], p, PARAMETRISATIONS[options.manifold], dtype, retraction)

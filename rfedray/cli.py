@@ -1,0 +1,132 @@
+"""The ``rfedray`` command line.
+
+::
+
+    rfedray run [CONFIG] [key=value ...] [--engine ray|local] [--resume RUN_DIR] [--quiet]
+    rfedray config show [CONFIG] [key=value ...]
+    rfedray privacy calibrate|epsilon|table ...
+
+Every user error (bad config value, missing file, unusable directory) is printed as one line
+``error: ...`` on stderr with exit status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from rfedray.errors import RfedrayError
+
+SUBCOMMAND_MODULES = (
+    "rfedray.privacy.commands",
+    "rfedray.studies.commands",
+    "rfedray.report",
+    "rfedray.mestimation.commands",
+)
+
+
+def _split_config_and_overrides(items: Sequence[str]) -> tuple[Optional[str], list[str]]:
+    """The first positional is the config file unless it looks like ``key=value``."""
+    items = list(items)
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+def _load(items: Sequence[str], extra: Sequence[str] = ()):
+    from rfedray.config import load_config
+
+    path, overrides = _split_config_and_overrides(items)
+    return load_config(path, [*overrides, *extra])
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from rfedray.config import to_yaml
+
+    print(to_yaml(_load(args.items)), end="")
+    return 0
+
+
+def _resume_config(args: argparse.Namespace):
+    from rfedray.config import load_config
+
+    run_dir = Path(args.resume)
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise RfedrayError(f"--resume {run_dir}: not a run directory (no config.yaml there)")
+    path, overrides = _split_config_and_overrides(args.items)
+    if path is not None:
+        raise RfedrayError("--resume: give key=value overrides only; the config is the run directory's config.yaml")
+    return load_config(saved, overrides)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from rfedray.federated.rundir import RunDirectory, new_run_id
+    from rfedray.runner import run
+
+    extra = [f"run.engine={args.engine}"] if args.engine else []
+    if args.resume:
+        cfg = _resume_config(args)
+        if args.engine:
+            cfg.run.engine = args.engine
+        run_dir = RunDirectory(args.resume)
+    else:
+        cfg = _load(args.items, extra)
+        run_dir = RunDirectory.create(cfg.run.output_dir, new_run_id(cfg.run.name))
+    print(run_dir.path, flush=True)
+    summary = run(cfg, run_dir, quiet=args.quiet, resume=bool(args.resume))
+    if summary.get("halted"):
+        print(f"halted: {summary['halt_reason']}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rfedray",
+        description="Record-level differentially private federated learning on Riemannian manifolds, on Ray.",
+    )
+    parser.add_argument("--verbose", action="store_true", help="log debug information")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = sub.add_parser("run", help="run a federation and write a run directory",
+                         description="Run a federation. Prints the run directory, writes summary.json there.")
+    run.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]",
+                     help="a YAML config (default: the built-in federated-PCA config) and dotlist overrides")
+    run.add_argument("--engine", choices=("ray", "local"), help="override run.engine")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    run.add_argument("--quiet", action="store_true", help="one plain line per round instead of a live progress line")
+    run.set_defaults(func=cmd_run)
+
+    config = sub.add_parser("config", help="inspect configurations")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    show = config_sub.add_parser("show", help="print the resolved configuration",
+                                 description="Print the configuration after defaults, file and overrides.")
+    show.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]")
+    show.set_defaults(func=cmd_config_show)
+
+    for module_name in SUBCOMMAND_MODULES:
+        importlib.import_module(module_name).register(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except RfedrayError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted: the run directory keeps the last checkpoint; continue with --resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""DDP-SA(-adaptive): layer-wise Laplace DP with secret-shared secure aggregation."""

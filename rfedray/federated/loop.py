@@ -1,0 +1,254 @@
+"""The federation loop of DP-RFedProj, the same for every engine.
+
+One round t:
+
+1. draw the cohort S_t (k of n, without replacement);
+2. charge the privacy ledger for every client of S_t and persist it (write-ahead): if a client would
+   pass the target epsilon, nothing is charged and the run halts;
+3. the executor runs the cohort's local training from theta_t;
+4. the server checks and combines the submissions into theta_{t+1} (theta_t stays if none is
+   usable);
+5. evaluate, log a line to ``metrics.jsonl``, notify observers (progress, Prometheus), and
+   checkpoint every ``run.checkpoint_every`` rounds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+from rfedray.config import Config, ConfigError, to_yaml
+from rfedray.errors import RfedrayError
+from rfedray.federated.client import ClientFailure, LocalResult
+from rfedray.federated.executor import Executor
+from rfedray.federated.rundir import RunDirectory, atomic_write_json
+from rfedray.federated.server import Server, cohort
+from rfedray.federated.setup import (
+    PrivacyPlan, build_dataset, build_model, build_scheme, check_client_sizes, initial_params,
+    local_plan, resolve_privacy,
+)
+from rfedray.geometry import ProductManifold
+from rfedray.task import FederatedDataset, FederatedModel, Params
+
+log = logging.getLogger(__name__)
+
+
+class RoundObserver(Protocol):
+    """Receives one record per completed round and the summary at the end (progress, metrics)."""
+
+    def on_round(self, record: dict) -> None: ...
+
+    def on_finish(self, summary: dict) -> None: ...
+
+
+def accounting_fingerprint(cfg: Config, privacy: PrivacyPlan, sizes: list[int]) -> dict:
+    """Everything the ledger's numbers depend on; a resume must not change any of it."""
+    return {
+        "privacy": privacy.fingerprint(),
+        "federation.local_steps": cfg.federation.local_steps,
+        "federation.batch_size": cfg.federation.batch_size,
+        "federation.n_clients": cfg.federation.n_clients,
+        "data.client_sizes": hashlib.sha256(json.dumps(sizes).encode()).hexdigest(),
+    }
+
+
+@dataclass
+class Federation:
+    """A whole federation: configuration, task, privacy plan, server and executor.
+
+    Build it with :meth:`prepare`; run it with :meth:`run`.
+    """
+
+    cfg: Config
+    run_dir: RunDirectory
+    model: FederatedModel
+    dataset: FederatedDataset
+    sizes: list[int]
+    privacy: PrivacyPlan
+    observers: list[RoundObserver] = field(default_factory=list)
+    ledger_factory: Optional[Callable[[], Any]] = None  # the ledger run() charges; default make_ledger (Ray: the accountant actor)
+
+    @classmethod
+    def prepare(cls, cfg: Config, run_dir: RunDirectory, observers: Optional[list] = None) -> "Federation":
+        """Build the task and resolve the privacy plan; nothing trains yet."""
+        dataset = build_dataset(cfg)
+        sizes = dataset.client_sizes()
+        check_client_sizes(cfg, sizes)
+        model = build_model(cfg, dataset.info)
+        privacy = resolve_privacy(cfg, sizes)
+        return cls(cfg, run_dir, model, dataset, sizes, privacy, list(observers or []))
+
+    @property
+    def product(self) -> ProductManifold:
+        return ProductManifold(self.model.groups)
+
+    def make_ledger(self):
+        from rfedray.privacy.accountants import ACCOUNTANTS, PrivacyLedger
+
+        if not self.privacy.enabled:
+            return None
+        fed = self.cfg.federation
+        return PrivacyLedger(
+            ACCOUNTANTS[self.privacy.accountant](), sigma=self.privacy.sigma, clip=self.privacy.clip,
+            batch_size=fed.batch_size, local_steps=fed.local_steps, delta=self.privacy.delta,
+            epsilon_target=self.privacy.epsilon_target, client_sizes=self.sizes,
+        )
+
+    def local_executor(self) -> Executor:
+        from rfedray.federated.executor import LocalExecutor
+
+        return LocalExecutor(self.cfg, self.dataset, self.model, local_plan(self.cfg, self.privacy))
+
+    def _server(self) -> Server:
+        weights = self.sizes if self.cfg.aggregation.weighting == "data_size" else None
+        return Server(self.product, build_scheme(self.cfg), weights)
+
+    def run(self, executor: Executor, resume: bool = False) -> dict:
+        """Run (or resume) the rounds; return the summary that is also written to ``summary.json``."""
+        cfg, rd = self.cfg, self.run_dir
+        ledger = self.ledger_factory() if self.ledger_factory is not None else self.make_ledger()
+        server = self._server()
+        fingerprint = accounting_fingerprint(cfg, self.privacy, self.sizes)
+        seeded = cfg.privacy.noise_seed is not None
+        if seeded and self.privacy.enabled:
+            log.warning("privacy.noise_seed is set: reproducible noise, NOT FOR PRODUCTION")
+        state = self._start_state(ledger, fingerprint, resume)
+        theta: Params = state["theta"]
+        start_round: int = state["round"]
+        opt_states: dict[int, dict] = state["optimizer_states"]
+        counters = state["counters"]
+        halted, halt_reason = False, ""
+        eval_data = self.dataset.eval_data()
+        last_metrics: dict[str, float] = state.get("last_metrics", {})
+        started = time.perf_counter()
+        t = start_round
+        for t in range(start_round, cfg.run.rounds):
+            round_start = time.perf_counter()
+            chosen = cohort(cfg.run.seed, t, cfg.federation.n_clients, cfg.federation.clients_per_round)
+            if ledger is not None:
+                auth = ledger.authorize(chosen)
+                if not auth.granted:
+                    halted, halt_reason = True, auth.reason
+                    break
+                atomic_write_json(rd.budget, {"fingerprint": fingerprint, "ledger": ledger.state_dict(), "round": t})
+            results = executor.train(chosen, theta, t, opt_states)
+            answered = {cid: r for cid, r in results.items() if isinstance(r, LocalResult)}
+            failures = [cid for cid in chosen if not isinstance(results.get(cid), LocalResult)]
+            agg_start = time.perf_counter()
+            theta, rejected = server.aggregate(theta, {cid: r.submission for cid, r in answered.items()})
+            agg_seconds = time.perf_counter() - agg_start
+            rejected_ids = {r.client_id for r in rejected}
+            for cid, r in answered.items():
+                if cid not in rejected_ids:
+                    opt_states[cid] = r.optimizer_state
+            for r in rejected:
+                log.warning("round %d: submission rejected: %s", t, r.reason)
+            counters["client_failures"] += len(failures)
+            counters["submissions_rejected"] += len(rejected)
+            if (t + 1) % cfg.run.evaluate_every == 0 or t + 1 == cfg.run.rounds:
+                last_metrics = self.model.evaluate(theta, eval_data)
+            record = {
+                "round": t,
+                "cohort_size": len(chosen),
+                "answered": len(answered) - len(rejected_ids & set(answered)),
+                "failed": len(failures),
+                "rejected": len(rejected),
+                "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
+                "round_seconds": time.perf_counter() - round_start,
+                "aggregation_seconds": agg_seconds,
+                "local_train_seconds": [r.train_seconds for r in answered.values()],
+                **{f"metric_{k}": v for k, v in last_metrics.items()},
+            }
+            rd.append_metrics(record)
+            for obs in self.observers:
+                obs.on_round(record)
+            if (t + 1) % cfg.run.checkpoint_every == 0 or t + 1 == cfg.run.rounds:
+                self._checkpoint(theta, t + 1, opt_states, counters, fingerprint, ledger, last_metrics)
+        else:
+            t = cfg.run.rounds
+        rounds_completed = t
+        summary = {
+            "run_id": rd.run_id,
+            "engine": cfg.run.engine,
+            "rounds_completed": rounds_completed,
+            "rounds_planned": cfg.run.rounds,
+            "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
+            "epsilon_target": cfg.privacy.epsilon if self.privacy.enabled else None,
+            "delta": self.privacy.delta if self.privacy.enabled else None,
+            "sigma": self.privacy.sigma,
+            "clip": self.privacy.clip if self.privacy.enabled else None,
+            "accountant": self.privacy.accountant if self.privacy.enabled else None,
+            "private": self.privacy.enabled,
+            "not_for_production": seeded,
+            "halted": halted,
+            "halt_reason": halt_reason,
+            "final_metrics": last_metrics,
+            "client_failures": counters["client_failures"],
+            "submissions_rejected": counters["submissions_rejected"],
+            "wall_seconds": time.perf_counter() - started,
+        }
+        torch.save({k: v.detach().cpu() for k, v in theta.items()}, rd.final_model)
+        atomic_write_json(rd.summary, summary)
+        for obs in self.observers:
+            obs.on_finish(summary)
+        return summary
+
+    def _checkpoint(self, theta, next_round, opt_states, counters, fingerprint, ledger, last_metrics) -> None:
+        self.run_dir.write_checkpoint({
+            "round": next_round,
+            "theta": {k: v.detach().cpu() for k, v in theta.items()},
+            "optimizer_states": opt_states,
+            "counters": dict(counters),
+            "fingerprint": fingerprint,
+            "ledger": ledger.state_dict() if ledger is not None else None,
+            "last_metrics": dict(last_metrics),
+        })
+
+    def _start_state(self, ledger, fingerprint: dict, resume: bool) -> dict[str, Any]:
+        rd = self.run_dir
+        if not resume:
+            # The saved config carries the resolved sigma, so a resume (even one that extends
+            # run.rounds) keeps the mechanism the ledger was charged for.
+            resolved = replace(self.cfg, privacy=replace(self.cfg.privacy, sigma=self.privacy.sigma))
+            rd.config.write_text(to_yaml(resolved))
+            theta = initial_params(self.cfg, self.model)
+            return {"theta": theta, "round": 0, "optimizer_states": {}, "counters": {"client_failures": 0, "submissions_rejected": 0}}
+        state = rd.read_checkpoint()
+        if state.get("fingerprint") != fingerprint:
+            changed = sorted(k for k in fingerprint if (state.get("fingerprint") or {}).get(k) != fingerprint[k])
+            raise ConfigError(
+                changed[0] if changed else "config", "changed since the checkpoint",
+                "a resumed run must keep every setting the privacy accounting depends on "
+                f"({', '.join(changed)}); start a new run instead",
+            )
+        theta = state["theta"]
+        expected = {k: tuple(v.shape) for k, v in initial_params(self.cfg, self.model).items()}
+        if {k: tuple(v.shape) for k, v in theta.items()} != expected:
+            raise RfedrayError(f"--resume {rd.path}: checkpoint.pt holds a model of another shape than the config's")
+        if ledger is not None:
+            # The write-ahead ledger may be ahead of the checkpoint (rounds charged, then lost):
+            # it is the one to keep, so a resumed run never reports less than was spent.
+            saved = json.loads(rd.budget.read_text()) if rd.budget.is_file() else {"ledger": state["ledger"]}
+            ledger.load_state_dict(saved["ledger"])
+        rd.truncate_metrics(state["round"])
+        rd.append_metrics({"event": "resumed", "round": state["round"], "epsilon_spent": ledger.epsilon_spent() if ledger else None})
+        return state
+
+
+def run_federation(cfg: Config, run_dir: RunDirectory, observers: Optional[list] = None,
+                   executor_factory: Optional[Callable[[Federation], Executor]] = None, resume: bool = False) -> dict:
+    """Prepare and run a federation with the local executor (or the one ``executor_factory`` makes)."""
+    fed = Federation.prepare(cfg, run_dir, observers)
+    executor = executor_factory(fed) if executor_factory is not None else fed.local_executor()
+    try:
+        return fed.run(executor, resume=resume)
+    finally:
+        executor.close()
+
+

@@ -1,0 +1,1 @@
+"""Private federated M-estimation (Auddy, Peng, Paul) on Euclidean models, local or on Ray."""

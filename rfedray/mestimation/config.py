@@ -1,0 +1,199 @@
+"""Configurations of the two Euclidean systems: private federated M-estimation and DDP-SA.
+
+The project's :class:`rfedray.config.Config` describes DP-RFedProj runs (and refuses unknown
+sections), so these systems have their own schemas, loaded the same way: defaults, then a YAML file
+(``configs/mestimation_*.yaml``, ``configs/ddpsa_*.yaml``), then ``key=value`` overrides, type-checked
+by OmegaConf; every bad value is a :class:`rfedray.config.ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rfedray.config import ConfigError, _check_unknown_keys, _deep_merge, _dotlist_to_dict, _read_yaml
+
+DATA_MODULES = {"sklearn": "rfedray.data.sklearn_data", "vision": "rfedray.data.vision"}
+MODEL_MODULES = {"logreg": "rfedray.models.logreg", "mlp": "rfedray.models.mlp"}
+STRATEGIES = ("fedsgd", "fedavg", "fedhybrid", "fednewton")
+CLIPPINGS = ("static", "median", "private_quantile")
+ENGINES = ("local", "ray")
+
+
+@dataclass
+class RunSection:
+    name: str = "mestimation"
+    seed: int = 0
+    rounds: int = 30
+    engine: str = "local"
+    num_hosts: int = 2
+    output_dir: str = "runs"
+
+
+@dataclass
+class FederationSection:
+    n_clients: int = 5
+    clients_per_round: int = 5
+    batch_size: int = 64
+
+
+@dataclass
+class PrivacySection:
+    enabled: bool = True
+    epsilon: Optional[float] = 4.0
+    delta: float = 1e-5
+    clip: float = 1.0
+    noise_multiplier: Optional[float] = None
+    noise_seed: Optional[int] = None
+
+
+@dataclass
+class ComponentSection:
+    name: str = ""
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StrategySection:
+    name: str = "fedsgd"
+    lr: float = 1.0
+    local_steps: int = 10
+    local_lr: float = 1.0
+    switch_round: int = 10
+    newton_steps: int = 1
+    hessian_clip: float = 1.0
+    damping: float = 1.0
+    floor: float = 0.01
+
+
+@dataclass
+class MEstimationConfig:
+    run: RunSection = field(default_factory=RunSection)
+    federation: FederationSection = field(default_factory=FederationSection)
+    privacy: PrivacySection = field(default_factory=PrivacySection)
+    data: ComponentSection = field(default_factory=lambda: ComponentSection("sklearn", {"dataset": "digits"}))
+    model: ComponentSection = field(default_factory=lambda: ComponentSection("logreg", {}))
+    strategy: StrategySection = field(default_factory=StrategySection)
+
+
+@dataclass
+class DDPSASection:
+    clipping: str = "median"
+    clip: float = 1.0
+    lr: float = 1.0
+    target_quantile: float = 0.5
+    quantile_lr: float = 0.2
+    budget_share: float = 0.1
+    aggregators: int = 3
+    frac_bits: int = 24
+    min_clients: int = 2
+    patience: int = 30
+    min_delta: float = 1e-3
+
+
+@dataclass
+class DDPSAConfig:
+    run: RunSection = field(default_factory=lambda: RunSection(name="ddpsa", rounds=300))
+    federation: FederationSection = field(default_factory=lambda: FederationSection(n_clients=10, clients_per_round=10))
+    privacy: PrivacySection = field(default_factory=lambda: PrivacySection(epsilon=5.0))
+    data: ComponentSection = field(default_factory=lambda: ComponentSection("sklearn", {"dataset": "synthetic_regression"}))
+    model: ComponentSection = field(default_factory=lambda: ComponentSection("logreg", {"l2": 0.0}))
+    ddpsa: DDPSASection = field(default_factory=DDPSASection)
+
+
+def _choice(name: str, value: Any, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(name, value, "must be one of " + ", ".join(allowed))
+
+
+def _at_least(name: str, value: float, low: float) -> None:
+    if value < low:
+        raise ConfigError(name, value, f"must be >= {low}")
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(name, value, "must be > 0")
+
+
+def _validate_common(cfg) -> None:
+    r, f, p = cfg.run, cfg.federation, cfg.privacy
+    _choice("run.engine", r.engine, ENGINES)
+    _at_least("run.rounds", r.rounds, 1)
+    _at_least("run.num_hosts", r.num_hosts, 1)
+    _at_least("run.seed", r.seed, 0)
+    _at_least("federation.n_clients", f.n_clients, 1)
+    if not 1 <= f.clients_per_round <= f.n_clients:
+        raise ConfigError("federation.clients_per_round", f.clients_per_round, f"must be between 1 and federation.n_clients ({f.n_clients})")
+    _at_least("federation.batch_size", f.batch_size, 1)
+    if not 0 < p.delta < 1:
+        raise ConfigError("privacy.delta", p.delta, "must be in (0, 1)")
+    _positive("privacy.clip", p.clip)
+    if p.epsilon is not None:
+        _positive("privacy.epsilon", p.epsilon)
+    if p.noise_multiplier is not None:
+        _positive("privacy.noise_multiplier", p.noise_multiplier)
+    if p.enabled and p.epsilon is None and p.noise_multiplier is None:
+        raise ConfigError("privacy.epsilon", None, "give a target epsilon or a noise_multiplier (or privacy.enabled=false)")
+    _choice("data.name", cfg.data.name, tuple(DATA_MODULES))
+    _choice("model.name", cfg.model.name, tuple(MODEL_MODULES))
+    from rfedray import registry
+    import importlib
+
+    registry.resolve_options(importlib.import_module(DATA_MODULES[cfg.data.name]), dict(cfg.data.options), "data.options")
+    registry.resolve_options(importlib.import_module(MODEL_MODULES[cfg.model.name]), dict(cfg.model.options), "model.options")
+
+
+def validate_mestimation(cfg: MEstimationConfig) -> None:
+    _validate_common(cfg)
+    s = cfg.strategy
+    _choice("strategy.name", s.name, STRATEGIES)
+    for name in ("lr", "local_lr", "hessian_clip", "floor"):
+        _positive(f"strategy.{name}", getattr(s, name))
+    for name in ("local_steps", "switch_round", "newton_steps"):
+        _at_least(f"strategy.{name}", getattr(s, name), 1)
+    if not 0 < s.damping <= 1:
+        raise ConfigError("strategy.damping", s.damping, "must be in (0, 1]")
+
+
+def validate_ddpsa(cfg: DDPSAConfig) -> None:
+    _validate_common(cfg)
+    d = cfg.ddpsa
+    _choice("ddpsa.clipping", d.clipping, CLIPPINGS)
+    for name in ("clip", "lr", "quantile_lr", "min_delta"):
+        _positive(f"ddpsa.{name}", getattr(d, name))
+    for name, low in (("aggregators", 2), ("min_clients", 2), ("patience", 1)):
+        _at_least(f"ddpsa.{name}", getattr(d, name), low)
+    if not 0 < d.target_quantile < 1:
+        raise ConfigError("ddpsa.target_quantile", d.target_quantile, "must be in (0, 1)")
+    if not 0 < d.budget_share < 1:
+        raise ConfigError("ddpsa.budget_share", d.budget_share, "must be in (0, 1)")
+    if not 0 <= d.frac_bits <= 40:
+        raise ConfigError("ddpsa.frac_bits", d.frac_bits, "must be in [0, 40]")
+    if cfg.federation.clients_per_round < d.min_clients:
+        raise ConfigError("federation.clients_per_round", cfg.federation.clients_per_round,
+                          f"must be >= ddpsa.min_clients ({d.min_clients}): the secure sum needs that many clients")
+
+
+def load(schema: type, path: Optional[str], overrides: list[str]):
+    """Defaults of ``schema``, then the YAML file, then overrides; type-checked and validated."""
+    data: dict = _read_yaml(Path(path)) if path is not None else {}
+    if overrides:
+        data = _deep_merge(data, _dotlist_to_dict(overrides))
+    _check_unknown_keys(data, schema)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), data)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(str(getattr(exc, "full_key", None) or "config"), getattr(exc, "value", None),
+                          str(exc).splitlines()[0]) from None
+    cfg = OmegaConf.to_object(merged)
+    (validate_mestimation if schema is MEstimationConfig else validate_ddpsa)(cfg)
+    return cfg
+
+
+def to_yaml(cfg) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,197 @@
+"""Run one M-estimation strategy: calibrate the noise, charge the ledger, drive the rounds.
+
+Every participant of round ``t`` releases ``strategy.steps(t)`` private steps, each the same
+Gaussian mechanism (noise multiplier ``z``, minibatch ``B`` of its ``m`` records; a Newton step is
+priced as one step, see :mod:`rfedray.mestimation.local`). The ledger is the project's
+:class:`rfedray.privacy.accountants.PrivacyLedger` with unit clip and ``sigma = z`` and one step per
+charge; it is charged for every step of the round *before* the clients run (write-ahead), and a
+round that would pass the target epsilon is not run. ``z`` is calibrated by the project's
+``calibrate_sigma`` for the worst client (smallest ``m``, taking part in every round).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from rfedray.federated.client import ClientFailure
+from rfedray.federated.server import cohort as draw_cohort
+from rfedray.mestimation.engine import Engine
+from rfedray.mestimation.local import ParamLayout, StepPlan
+from rfedray.mestimation.strategies import FedNewton, Strategy
+from rfedray.task import FederatedDataset, FederatedModel, Params
+
+
+@dataclass(frozen=True)
+class PrivacySpec:
+    """Record-level DP of a run.
+
+    Attributes
+    ----------
+    epsilon : float or None
+        Target epsilon (``z`` is calibrated to it); ``None`` with ``noise_multiplier=None`` runs
+        without privacy.
+    delta : float
+    clip : float
+        Per-record gradient clip C.
+    noise_multiplier : float or None
+        A given ``z`` (skips calibration).
+    accountant : str
+        A key of :data:`rfedray.privacy.accountants.ACCOUNTANTS`.
+    noise_seed : int or None
+        Reproducible noise (not for production).
+    """
+
+    epsilon: Optional[float] = None
+    delta: float = 1e-5
+    clip: float = 1.0
+    noise_multiplier: Optional[float] = None
+    accountant: str = "exact"
+    noise_seed: Optional[int] = None
+
+    @property
+    def private(self) -> bool:
+        return self.epsilon is not None or self.noise_multiplier is not None
+
+
+def calibrate_multiplier(spec: PrivacySpec, total_steps: int, batch_size: int, records: int) -> float:
+    """``z`` such that ``total_steps`` steps on the smallest client spend ``spec.epsilon``."""
+    from rfedray.privacy.accountants import ACCOUNTANTS, calibrate_sigma
+
+    return float(calibrate_sigma(ACCOUNTANTS[spec.accountant](), epsilon=spec.epsilon, delta=spec.delta,
+                                 rounds=total_steps, local_steps=1, batch_size=batch_size, records=records, clip=1.0))
+
+
+def make_ledger(spec: PrivacySpec, z: float, batch_size: int, sizes: list[int], target: Optional[float]):
+    from rfedray.privacy.accountants import ACCOUNTANTS, PrivacyLedger
+
+    return PrivacyLedger(ACCOUNTANTS[spec.accountant](), sigma=z, clip=1.0, batch_size=batch_size, local_steps=1,
+                         delta=spec.delta, epsilon_target=target, client_sizes=sizes)
+
+
+def pooled_m_estimator(model: FederatedModel, data: tuple[torch.Tensor, ...], tol: float = 1e-10,
+                       max_iter: int = 5000) -> Params:
+    """The non-private pooled M-estimator (minimiser of the mean loss over ``data``), by L-BFGS.
+
+    A simulation oracle (it reads every client's records): the reference the estimation error
+    is measured against.
+    """
+    from scipy.optimize import minimize
+
+    theta = model.init_params(torch.Generator().manual_seed(0))
+    layout = ParamLayout.of(theta)
+    batched = torch.func.vmap(model.per_sample_loss, in_dims=(None,) + (0,) * len(data))
+
+    def value_and_grad(vec: np.ndarray) -> tuple[float, np.ndarray]:
+        v = torch.as_tensor(vec, dtype=torch.float64).requires_grad_(True)
+        loss = batched(layout.unflatten(v.to(layout_dtype)), *data).mean()
+        (grad,) = torch.autograd.grad(loss, v)
+        return float(loss.detach()), grad.numpy()
+
+    layout_dtype = next(iter(theta.values())).dtype
+    start = layout.flatten(theta).double().numpy()
+    result = minimize(value_and_grad, start, jac=True, method="L-BFGS-B",
+                      options={"maxiter": max_iter, "gtol": tol, "ftol": 0.0, "maxcor": 30})
+    return layout.unflatten(torch.as_tensor(result.x, dtype=layout_dtype))
+
+
+def relative_error(theta: Params, reference: Params) -> float:
+    """``||theta - ref|| / ||ref||`` over all parameters."""
+    num = sum(float(((theta[k].double() - reference[k].double()) ** 2).sum()) for k in reference)
+    den = sum(float((reference[k].double() ** 2).sum()) for k in reference)
+    return math.sqrt(num / den) if den > 0 else math.sqrt(num)
+
+
+def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, dataset: FederatedDataset, *,
+                 rounds: int, clients_per_round: int, batch_size: int, privacy: PrivacySpec, seed: int = 0,
+                 reference: Optional[Params] = None, evaluate_every: int = 1,
+                 on_round: Optional[Callable[[dict], None]] = None) -> dict:
+    """Run ``rounds`` rounds and return ``{"history", "summary", "theta"}``.
+
+    Parameters
+    ----------
+    strategy : Strategy
+    engine : Engine
+        Local or Ray; runs the clients' tasks.
+    model, dataset
+    rounds, clients_per_round, batch_size : int
+    privacy : PrivacySpec
+    seed : int
+        Seeds the initial model and the (public) cohorts.
+    reference : dict of Tensor, optional
+        Target estimator; adds ``error`` (relative) to every evaluated round.
+    evaluate_every : int
+    on_round : callable, optional
+        Receives every round's record.
+    """
+    sizes = dataset.client_sizes()
+    n = dataset.num_clients
+    if not 1 <= clients_per_round <= n:
+        raise ValueError(f"clients_per_round={clients_per_round}: must be between 1 and n_clients ({n})")
+    if not 1 <= batch_size <= min(sizes):
+        raise ValueError(f"batch_size={batch_size}: must be between 1 and the smallest client's record count ({min(sizes)})")
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: must be >= 1")
+    theta = model.init_params(torch.Generator().manual_seed(seed * 7919 + 17))
+    if isinstance(strategy, FedNewton):
+        strategy.check_model(theta)
+    total_steps = strategy.total_steps(rounds)
+    z, ledger = None, None
+    if privacy.private:
+        z = privacy.noise_multiplier
+        if z is None:
+            z = calibrate_multiplier(privacy, total_steps, batch_size, min(sizes))
+        ledger = make_ledger(privacy, z, batch_size, sizes, privacy.epsilon)
+    plan = StepPlan(batch_size, privacy.clip, z, privacy.noise_seed)
+    eval_data = dataset.eval_data()
+    history: list[dict] = []
+    halted, halt_reason, failures = False, "", 0
+    started = time.perf_counter()
+    completed = 0
+    for t in range(rounds):
+        round_start = time.perf_counter()
+        chosen = draw_cohort(seed, t, n, clients_per_round)
+        if ledger is not None:
+            for _ in range(strategy.steps(t)):
+                auth = ledger.authorize(chosen)
+                if not auth.granted:
+                    halted, halt_reason = True, auth.reason
+                    break
+            if halted:
+                break
+        results = engine.run(chosen, strategy.task(plan, t), theta, t)
+        usable = [r for r in results.values()
+                  if not isinstance(r, ClientFailure) and all(bool(torch.isfinite(v).all()) for v in r.values())]
+        failures += len(chosen) - len(usable)
+        if usable:
+            theta = strategy.aggregate(theta, usable, t)
+        completed = t + 1
+        record = {"round": t, "answered": len(usable), "steps": strategy.steps(t),
+                  "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
+                  "round_seconds": time.perf_counter() - round_start}
+        if (t + 1) % evaluate_every == 0 or t + 1 == rounds:
+            record.update(model.evaluate(theta, eval_data))
+            if reference is not None:
+                record["error"] = relative_error(theta, reference)
+        history.append(record)
+        if on_round is not None:
+            on_round(record)
+    last = next((r for r in reversed(history) if "loss" in r), {})
+    summary = {
+        **strategy.describe(),
+        "rounds_completed": completed, "rounds_planned": rounds, "private_steps_per_client": total_steps,
+        "noise_multiplier": z, "clip": privacy.clip if privacy.private else None,
+        "epsilon_target": privacy.epsilon, "delta": privacy.delta if privacy.private else None,
+        "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
+        "accountant": privacy.accountant if privacy.private else None,
+        "not_for_production": privacy.noise_seed is not None and privacy.private,
+        "halted": halted, "halt_reason": halt_reason, "client_failures": failures,
+        "final_metrics": {k: v for k, v in last.items() if k in ("loss", "accuracy", "r2", "error", "param_error")},
+        "wall_seconds": time.perf_counter() - started,
+    }
+    return {"history": history, "summary": summary, "theta": theta}

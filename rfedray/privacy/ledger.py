@@ -1,0 +1,240 @@
+"""Per-client privacy budgets, charged before the clients train (write-ahead).
+
+A record of client ``i`` is only exposed in the rounds ``i`` takes part in: the transcript is
+``(epsilon_i, delta)``-DP for its records with ``epsilon_i`` the accountant's epsilon after ``p_i``
+participations of ``tau`` steps at ``q_i = B / m_i``, and the whole transcript's record-level
+epsilon is the largest ``epsilon_i``. Every ``epsilon_i`` is non-increasing in ``m_i`` and
+non-decreasing in ``p_i``, so the maximum is reached on the clients that no other client dominates
+(smaller or equal ``m`` and at least as many participations); only those are evaluated.
+
+The ledger keeps one cached epsilon per ``(m, p)`` it has met. In a round, the participation
+count of each ``m`` grows by at most one, so at most one new evaluation per distinct ``m`` of the
+cohort is needed, and the accountant composes it from its cached one-step transform.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
+
+from rfedray.privacy import checks
+
+if TYPE_CHECKING:
+    from rfedray.privacy.accountants import Accountant
+
+STATE_FORMAT = "rfedray.privacy.ledger/1"
+
+_MECHANISM_FIELDS = ("accountant", "sigma", "clip", "batch_size", "local_steps", "delta", "client_sizes")
+
+
+@dataclass(frozen=True)
+class Authorization:
+    """The answer of :meth:`PrivacyLedger.authorize`.
+
+    Attributes
+    ----------
+    granted : bool
+        Whether the cohort was charged and may train.
+    reason : str
+        Why not (names the client and the numbers), or what was charged.
+    epsilon_after : float
+        The transcript epsilon after this call (unchanged when refused).
+    """
+
+    granted: bool
+    reason: str
+    epsilon_after: float
+
+
+def _pareto_front(keys: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ``(m, p)`` pairs no other pair dominates (``m' <= m`` and ``p' >= p``)."""
+    front: list[tuple[int, int]] = []
+    best_p = -1
+    for m, p in sorted(set(keys), key=lambda k: (k[0], -k[1])):
+        if p > best_p:
+            front.append((m, p))
+            best_p = p
+    return front
+
+
+class PrivacyLedger:
+    """Per-client participation counts and the record-level epsilon they have spent.
+
+    Parameters
+    ----------
+    accountant : Accountant
+    sigma, clip : float
+        The step mechanism's absolute noise and clip, > 0.
+    batch_size, local_steps : int
+        ``B`` (at most the smallest client) and ``tau``, >= 1.
+    delta : float
+        In (0, 1).
+    epsilon_target : float or None
+        Refuse any round that would take a client above it; ``None`` never refuses.
+    client_sizes : sequence of int
+        ``m_i`` of every client (public metadata), each >= ``batch_size``.
+    """
+
+    def __init__(
+        self,
+        accountant: "Accountant",
+        *,
+        sigma: float,
+        clip: float,
+        batch_size: int,
+        local_steps: int,
+        delta: float,
+        epsilon_target: Optional[float],
+        client_sizes: Sequence[int],
+    ):
+        self.accountant = accountant
+        self.sigma = checks.positive("sigma", sigma)
+        self.clip = checks.positive("clip", clip)
+        self.local_steps = checks.positive_int("local_steps", local_steps)
+        self.delta = checks.open_unit("delta", delta)
+        self.epsilon_target = None if epsilon_target is None else checks.positive("epsilon_target", epsilon_target)
+        sizes = list(client_sizes)
+        if not sizes:
+            raise checks.PrivacyParameterError("client_sizes", sizes, "must list at least one client")
+        self.batch_size = checks.positive_int("batch_size", batch_size)
+        for i, m in enumerate(sizes):
+            try:
+                checks.batch_within(self.batch_size, m)
+            except checks.PrivacyParameterError:
+                raise checks.PrivacyParameterError(
+                    f"client_sizes[{i}]", m, f"must be an integer >= batch_size={self.batch_size}"
+                ) from None
+        self.client_sizes = [int(m) for m in sizes]
+        self._participations = [0] * len(sizes)
+        self._epsilons: dict[tuple[int, int], float] = {}
+        self._spent = 0.0
+
+    def _epsilon(self, records: int, participations: int) -> float:
+        key = (records, participations)
+        if key not in self._epsilons:
+            self._epsilons[key] = self.accountant.epsilon(
+                sigma=self.sigma, clip=self.clip, batch_size=self.batch_size, records=records,
+                rounds=participations, local_steps=self.local_steps, delta=self.delta,
+            )
+        return self._epsilons[key]
+
+    def _check_client(self, client: Any) -> int:
+        allowed = f"must be an integer in [0, {len(self.client_sizes) - 1}]"
+        try:
+            i = operator.index(client)
+        except TypeError:
+            raise checks.PrivacyParameterError("client", client, allowed) from None
+        if isinstance(client, bool) or not 0 <= i < len(self.client_sizes):
+            raise checks.PrivacyParameterError("client", client, allowed)
+        return i
+
+    def authorize(self, cohort: Sequence[int]) -> Authorization:
+        """Charge one participation to every client of ``cohort``, unless one would exceed the target.
+
+        Call it before the cohort trains; persist :meth:`state_dict` before training too, so that
+        a crash never loses a charge.
+
+        Parameters
+        ----------
+        cohort : sequence of int
+            Distinct client indices.
+
+        Returns
+        -------
+        Authorization
+            ``granted=False`` (and nothing charged) if some client would exceed ``epsilon_target``.
+        """
+        clients = [self._check_client(c) for c in cohort]
+        if len(set(clients)) != len(clients):
+            raise checks.PrivacyParameterError("cohort", list(cohort), "must not repeat a client")
+        wanted = {(self.client_sizes[i], self._participations[i] + 1): i for i in clients}
+        worst = max(
+            ((self._epsilon(m, p), wanted[(m, p)], m, p) for m, p in _pareto_front(wanted)),
+            default=(0.0, -1, 0, 0),
+        )
+        epsilon, client, records, count = worst
+        if self.epsilon_target is not None and epsilon > self.epsilon_target:
+            return Authorization(
+                False,
+                f"client {client} (m={records} records) would reach epsilon={epsilon:.6g} > "
+                f"epsilon_target={self.epsilon_target:g} (delta={self.delta:g}) at participation {count}; "
+                "nothing was charged",
+                self._spent,
+            )
+        for i in clients:
+            self._participations[i] += 1
+        self._spent = max(self._spent, epsilon)
+        return Authorization(True, f"charged one participation to {len(clients)} clients", self._spent)
+
+    def epsilon_spent(self) -> float:
+        """The transcript's record-level epsilon: the largest client epsilon (0 before any round)."""
+        return self._spent
+
+    def client_epsilon(self, client: int) -> float:
+        """Epsilon spent so far by the records of ``client``."""
+        i = self._check_client(client)
+        return self._epsilon(self.client_sizes[i], self._participations[i])
+
+    def participations(self, client: int) -> int:
+        """Number of rounds ``client`` has been charged for."""
+        return self._participations[self._check_client(client)]
+
+    def _mechanism(self) -> dict[str, Any]:
+        return {
+            "accountant": self.accountant.config(),
+            "sigma": self.sigma,
+            "clip": self.clip,
+            "batch_size": self.batch_size,
+            "local_steps": self.local_steps,
+            "delta": self.delta,
+            "client_sizes": list(self.client_sizes),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable snapshot: the mechanism, the target and every participation count."""
+        return {
+            "format": STATE_FORMAT,
+            **self._mechanism(),
+            "epsilon_target": self.epsilon_target,
+            "participations": list(self._participations),
+            "epsilon_spent": self._spent,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the participation counts of a snapshot taken with the same mechanism.
+
+        The transcript epsilon is recomputed from the counts (and never reported below the saved
+        one). ``epsilon_target`` is this ledger's own (a resumed run may change its policy).
+
+        Raises
+        ------
+        ValueError
+            If the snapshot's format, any mechanism field (accountant, sigma, clip, batch_size,
+            local_steps, delta, client_sizes) or its participation counts do not fit this ledger.
+        """
+        if state.get("format") != STATE_FORMAT:
+            raise checks.PrivacyParameterError("format", state.get("format"), f"must be {STATE_FORMAT!r}")
+        mine = self._mechanism()
+        for name in _MECHANISM_FIELDS:
+            if state.get(name) != mine[name]:
+                raise checks.PrivacyParameterError(
+                    name, state.get(name),
+                    f"differs from this ledger's {name}={mine[name]!r}; "
+                    "a ledger only resumes the mechanism it was charged for",
+                )
+        counts = state.get("participations")
+        if (
+            not isinstance(counts, list)
+            or len(counts) != len(self.client_sizes)
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts)
+        ):
+            raise checks.PrivacyParameterError(
+                "participations", counts, f"must be a list of {len(self.client_sizes)} integers >= 0"
+            )
+        self._participations = list(counts)
+        keys = [(m, p) for m, p in zip(self.client_sizes, counts) if p > 0]
+        recomputed = max((self._epsilon(m, p) for m, p in _pareto_front(keys)), default=0.0)
+        saved = state.get("epsilon_spent", 0.0)
+        self._spent = max(recomputed, float(saved) if isinstance(saved, (int, float)) and math.isfinite(saved) else 0.0)

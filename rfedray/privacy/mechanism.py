@@ -1,0 +1,201 @@
+"""The private local step's gradient: per-sample tangent gradients, joint clipping, ambient noise.
+
+One private step of DP-RFedProj at ``theta`` on a minibatch ``b`` of ``B`` records drawn without
+replacement::
+
+    g = (1/B) sum_{l in b} clip_C(P_theta grad f(theta; z_l)) + P_theta xi,   xi ~ N(0, sigma^2 I),
+
+with ``clip_C(v) = v min(1, C / ||v||)`` on the joint Frobenius norm of all parameter groups. The
+tangent space carries the ambient metric, so the clipped average moves by at most ``2C/B`` when one
+record is replaced, whatever ``theta``; projecting the ambient noise is post-processing. Hence each
+step is ``C_q(G_mu0)``-DP with ``mu0 = 2C / (B sigma)`` and ``q = B / m``
+(:mod:`rfedray.privacy.accountants`), provided the batch is drawn by :func:`sample_batch`.
+
+Only the privatised gradient leaves :func:`private_gradient`; per-sample gradients, norms and
+clipping decisions are never returned or stored.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.func import grad, vmap
+
+from rfedray.geometry import ProductManifold
+from rfedray.privacy import checks
+
+Params = dict[str, Tensor]
+LossFn = Callable[..., Tensor]
+
+
+def noise_generator(seed: Optional[int], device: str | torch.device = "cpu") -> torch.Generator:
+    """The random generator of a client's batches and noise.
+
+    Parameters
+    ----------
+    seed : int or None
+        ``None`` (production): 63 bits of operating-system entropy (:mod:`secrets`), so the noise
+        cannot be predicted from anything in the run. An integer >= 0 fixes it (reproducible
+        experiments only).
+    device : str or torch.device
+        Device of the generator; it must be the device of the parameters.
+
+    Returns
+    -------
+    torch.Generator
+    """
+    if seed is None:
+        seed = secrets.randbits(63)
+    elif isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise checks.PrivacyParameterError("seed", seed, "must be None (OS entropy) or an integer >= 0")
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def sample_batch(num_records: int, batch_size: int, generator: torch.Generator) -> Tensor:
+    """Exactly ``batch_size`` distinct record indices, uniformly without replacement.
+
+    This is the sampling the accountants assume (never Poisson): every subset of size ``B`` is
+    equally likely, so each record is in the batch with probability ``q = B / m``.
+
+    Parameters
+    ----------
+    num_records : int
+        ``m`` >= 1.
+    batch_size : int
+        ``B`` in [1, m].
+    generator : torch.Generator
+
+    Returns
+    -------
+    Tensor
+        int64 indices, shape ``(B,)``, on the generator's device.
+    """
+    batch_size, num_records = checks.batch_within(batch_size, num_records)
+    return torch.randperm(num_records, generator=generator, device=generator.device)[:batch_size]
+
+
+def per_sample_gradients(loss_fn: LossFn, params: Params, records: tuple[Tensor, ...]) -> Params:
+    """Ambient gradient of ``loss_fn`` for every record, by ``torch.func.vmap(grad(loss_fn))``.
+
+    Parameters
+    ----------
+    loss_fn : callable
+        ``loss_fn(params, *record) -> scalar`` for ONE record (no batch dimension).
+    params : dict of Tensor
+        ``{g: (*shape_g)}``.
+    records : tuple of Tensor
+        Each of shape ``(B, ...)``.
+
+    Returns
+    -------
+    dict of Tensor
+        ``{g: (B, *shape_g)}``.
+    """
+    in_dims = (None,) + (0,) * len(records)
+    return vmap(grad(loss_fn), in_dims=in_dims)(params, *records)
+
+
+def _check_records(records: tuple[Tensor, ...]) -> int:
+    if len(records) == 0:
+        raise checks.PrivacyParameterError("records", records, "must hold at least one tensor")
+    size = int(records[0].shape[0]) if records[0].dim() > 0 else 0
+    if size == 0 or any(r.dim() == 0 or r.shape[0] != size for r in records):
+        raise checks.PrivacyParameterError(
+            "records", tuple(tuple(r.shape) for r in records), "must share a leading batch dimension B >= 1"
+        )
+    return size
+
+
+def _broadcast(weights: Tensor, like: Tensor) -> Tensor:
+    """``weights`` of shape ``(B,)`` viewed as ``(B, 1, ..., 1)`` against ``like`` of shape ``(B, ...)``."""
+    return weights.reshape(weights.shape + (1,) * (like.dim() - 1))
+
+
+def private_gradient(
+    loss_fn: LossFn,
+    params: Params,
+    product: ProductManifold,
+    records: tuple[Tensor, ...],
+    *,
+    clip: float,
+    sigma: float,
+    generator: torch.Generator,
+) -> Params:
+    """The privatised tangent gradient of one step on a minibatch.
+
+    Parameters
+    ----------
+    loss_fn : callable
+        ``loss_fn(params, *record) -> scalar`` for one record (no batch dimension).
+    params : dict of Tensor
+        The current point ``theta``, ``{g: (*shape_g)}``.
+    product : ProductManifold
+        One factor per group of ``params``.
+    records : tuple of Tensor
+        The minibatch drawn by :func:`sample_batch`, each tensor of shape ``(B, ...)``.
+    clip : float
+        ``C`` > 0: bound on each record's joint tangent-gradient norm.
+    sigma : float
+        Absolute standard deviation > 0 of the ambient Gaussian noise added to every group (not a
+        multiplier of ``C``).
+    generator : torch.Generator
+        Source of the noise (see :func:`noise_generator`); on the device of ``params``.
+
+    Returns
+    -------
+    dict of Tensor
+        ``{g: (*shape_g)}``, tangent at ``theta``.
+
+    Notes
+    -----
+    A record whose gradient is not finite contributes zero (a valid clipped value: it stays within
+    the ``2C/B`` sensitivity), so one degenerate record cannot turn the model into NaN.
+    """
+    clip = checks.positive("clip", clip)
+    sigma = checks.positive("sigma", sigma)
+    batch = _check_records(records)
+    tangent = product.proj_tangent(params, per_sample_gradients(loss_fn, params, records))
+    norms = product.norm(tangent)
+    finite = torch.isfinite(norms)
+    scale = torch.where(finite, torch.clamp(clip / norms, max=1.0), torch.zeros_like(norms)) / batch
+    noisy = {}
+    for g, value in tangent.items():
+        clipped = torch.where(_broadcast(finite, value), value, torch.zeros_like(value))
+        mean = (clipped * _broadcast(scale, value)).sum(dim=0)
+        noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device=mean.device)
+        noisy[g] = mean + sigma * noise
+    return product.proj_tangent(params, noisy)
+
+
+def nonprivate_gradient(
+    loss_fn: LossFn, params: Params, product: ProductManifold, records: tuple[Tensor, ...]
+) -> Params:
+    """The tangent-projected mean gradient of a minibatch (the non-private baseline).
+
+    Parameters
+    ----------
+    loss_fn : callable
+        ``loss_fn(params, *record) -> scalar`` for one record.
+    params : dict of Tensor
+        ``{g: (*shape_g)}``.
+    product : ProductManifold
+    records : tuple of Tensor
+        Each of shape ``(B, ...)``.
+
+    Returns
+    -------
+    dict of Tensor
+        ``P_theta`` of the gradient of the mean loss, ``{g: (*shape_g)}``.
+    """
+    _check_records(records)
+    in_dims = (None,) + (0,) * len(records)
+
+    def mean_loss(p: Params) -> Tensor:
+        return vmap(loss_fn, in_dims=in_dims)(p, *records).mean()
+
+    return product.proj_tangent(params, grad(mean_loss)(params))

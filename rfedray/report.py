@@ -1,0 +1,82 @@
+"""Plots of a run directory: the utility metric and epsilon spent against the round.
+
+Written at the end of every run and on demand by ``rfedray report RUN_DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rfedray.errors import RfedrayError
+
+PRIMARY = ("accuracy", "gap", "loss", "distance")
+
+
+def _rounds(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise RfedrayError(f"report {run_dir}: no metrics.jsonl there; is it a run directory?")
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "event" not in r]
+
+
+def write_plots(run_dir: str | Path) -> list[Path]:
+    """``utility.png`` (each metric against the round) and ``epsilon.png`` (budget against round)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    records = _rounds(run_dir)
+    if not records:
+        return []
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    rounds = [r["round"] + 1 for r in records]
+    names = [m for m in PRIMARY if f"metric_{m}" in records[-1]]
+    written = []
+    if names:
+        fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.3), squeeze=False)
+        for ax, name in zip(axes[0], names):
+            values = [r.get(f"metric_{name}") for r in records]
+            ax.plot(rounds, values)
+            if name in ("gap", "distance") and all(v is not None and v > 0 for v in values):
+                ax.set_yscale("log")
+            ax.set_xlabel("round")
+            ax.set_ylabel(name)
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"{run_dir.name}", fontsize=9)
+        fig.tight_layout()
+        written.append(run_dir / "utility.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    eps = [r["epsilon_spent"] for r in records]
+    if any(e is not None for e in eps):
+        fig, ax = plt.subplots(figsize=(4.5, 3.3))
+        ax.plot(rounds, eps, label="epsilon spent (max over clients)")
+        target = summary.get("epsilon_target")
+        if target is not None:
+            ax.axhline(target, color="red", linestyle="--", label=f"target {target:g}")
+        ax.set_xlabel("round")
+        ax.set_ylabel("epsilon")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        written.append(run_dir / "epsilon.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    for path in write_plots(args.run_dir):
+        print(path)
+    return 0
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("report", help="plot a run directory's metrics",
+                                   description="Write utility.png and epsilon.png into RUN_DIR.")
+    parser.add_argument("run_dir", metavar="RUN_DIR")
+    parser.set_defaults(func=cmd_report)

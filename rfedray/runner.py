@@ -1,0 +1,93 @@
+"""Run a configuration on its engine, with progress and metrics attached.
+
+``run.engine: local`` runs the whole federation in this process; ``run.engine: ray`` hands the same
+federation to the Ray layer (``actors``), which distributes the clients over actors.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from rfedray.config import Config
+from rfedray.federated.rundir import RunDirectory
+
+
+class ProgressObserver:
+    """Feeds :class:`rfedray.progress.Progress` from round records."""
+
+    def __init__(self, cfg: Config, quiet: bool):
+        from rfedray.progress import Progress
+
+        self.progress = Progress(
+            cfg.run.rounds, stream=sys.stderr, quiet=quiet or not cfg.monitoring.progress,
+            epsilon_target=cfg.privacy.epsilon if cfg.privacy.enabled else None,
+        )
+
+    def on_round(self, record: dict) -> None:
+        metrics = {k[len("metric_"):]: v for k, v in record.items() if k.startswith("metric_")}
+        self.progress.update(record["round"], record["epsilon_spent"], metrics, record["round_seconds"])
+
+    def on_finish(self, summary: dict) -> None:
+        eps = summary["epsilon_spent"]
+        budget = f", epsilon {eps:.4g} of {summary['epsilon_target']}" if eps is not None else ", non-private"
+        halted = f"; halted: {summary['halt_reason']}" if summary["halted"] else ""
+        self.progress.close(f"done: {summary['rounds_completed']} rounds{budget}{halted}")
+
+
+class MetricsObserver:
+    """Exports round records to Prometheus through :class:`rfedray.metrics.RunMetrics`."""
+
+    def __init__(self, cfg: Config, run_id: str, sigma: Optional[float]):
+        from rfedray.metrics import RunMetrics
+
+        self.metrics = RunMetrics(
+            run_id=run_id, scheme=cfg.aggregation.scheme, dataset=cfg.data.source, model=cfg.model.name,
+            epsilon_target=cfg.privacy.epsilon if cfg.privacy.enabled else None,
+            delta=cfg.privacy.delta, sigma=sigma, seeded=cfg.privacy.noise_seed is not None,
+        )
+        self.port = self.metrics.start_server(cfg.monitoring.metrics_port, cfg.monitoring.metrics_host)
+
+    def on_round(self, record: dict) -> None:
+        metrics = {k[len("metric_"):]: v for k, v in record.items() if k.startswith("metric_")}
+        self.metrics.observe_round(
+            round=record["round"], epsilon_spent=record["epsilon_spent"],
+            cohort_size=record["cohort_size"], answered=record["answered"],
+            round_seconds=record["round_seconds"], aggregation_seconds=record["aggregation_seconds"],
+            local_train_seconds=record["local_train_seconds"], metrics=metrics,
+        )
+        if record["failed"]:
+            self.metrics.client_failure(record["failed"])
+        if record["rejected"]:
+            self.metrics.submission_rejected(record["rejected"])
+
+    def on_finish(self, summary: dict) -> None:
+        self.metrics.set_halted(bool(summary["halted"]))
+
+
+def run(cfg: Config, run_dir: RunDirectory, *, quiet: bool = False, resume: bool = False) -> dict:
+    """Run ``cfg`` into ``run_dir`` on the configured engine and return the summary."""
+    from rfedray.federated.loop import Federation
+
+    fed = Federation.prepare(cfg, run_dir)
+    fed.observers.append(ProgressObserver(cfg, quiet))
+    metrics = None
+    if cfg.monitoring.metrics_port is not None:
+        metrics = MetricsObserver(cfg, run_dir.run_id, fed.privacy.sigma)
+        fed.observers.append(metrics)
+    if cfg.run.engine == "ray":
+        from actors.driver import ray_executor
+
+        executor = ray_executor(fed)
+    else:
+        executor = fed.local_executor()
+    try:
+        summary = fed.run(executor, resume=resume)
+        from rfedray.report import write_plots
+
+        write_plots(run_dir.path)
+        return summary
+    finally:
+        executor.close()
+        if metrics is not None:
+            metrics.metrics.close()

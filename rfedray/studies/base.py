@@ -1,0 +1,156 @@
+"""What every study shares: running many federations, summarising over seeds, writing the report.
+
+A study is a small class with a name, a description, its expected run time, and a ``run`` method
+that returns :class:`Table` objects; :func:`write_outputs` turns them into ``results.csv``,
+``results.json`` and ``report.md`` (every number beside the paper's value and the difference).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+SCALES = ("tiny", "full")
+
+
+@dataclass
+class Row:
+    """One line of a result table: a label, our numbers and (optionally) the paper's."""
+
+    label: dict[str, Any]
+    ours: dict[str, Any]
+    paper: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Table:
+    """A titled table of rows, rendered as markdown with paper values and differences."""
+
+    title: str
+    rows: list[Row]
+    note: str = ""
+
+    def markdown(self) -> str:
+        label_keys = list(self.rows[0].label) if self.rows else []
+        value_keys = list(dict.fromkeys(k for r in self.rows for k in r.ours))
+        header = label_keys + [h for k in value_keys for h in (k, f"paper {k}", "diff")]
+        lines = [f"### {self.title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for r in self.rows:
+            cells = [str(r.label[k]) for k in label_keys]
+            for k in value_keys:
+                ours, paper = r.ours.get(k), r.paper.get(k)
+                cells += [fmt(ours), fmt(paper), diff(ours, paper)]
+            lines.append("| " + " | ".join(cells) + " |")
+        if self.note:
+            lines += ["", self.note]
+        return "\n".join(lines) + "\n"
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def diff(ours: Any, paper: Any) -> str:
+    """Relative difference ``ours / paper - 1`` for a number, or the difference of a median."""
+    mid = ours[0] if isinstance(ours, (tuple, list)) else ours
+    if not isinstance(mid, (int, float)) or not isinstance(paper, (int, float)) or paper == 0:
+        return "-"
+    return f"{100 * (mid / paper - 1):+.1f}%"
+
+
+def median_iqr(values: Sequence[float]) -> tuple[float, float, float]:
+    """Median and interquartile range (quartiles by linear interpolation)."""
+    if len(values) == 1:
+        return (values[0], values[0], values[0])
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return (statistics.median(values), q1, q3)
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    return (statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+class MedianIQR(tuple):
+    """A (median, q1, q3) triple that prints as ``median [q1, q3]``."""
+
+    def __str__(self) -> str:
+        return f"{self[0]:.4g} [{self[1]:.4g}, {self[2]:.4g}]"
+
+
+def fmt_median(values: Sequence[float]) -> MedianIQR:
+    return MedianIQR(median_iqr(values))
+
+
+def _run_one(job: tuple[list[str], str]) -> dict:
+    from rfedray.config import load_config
+    from rfedray.federated.loop import run_federation
+    from rfedray.federated.rundir import RunDirectory, new_run_id
+
+    overrides, output_dir = job
+    cfg = load_config(None, [*overrides, f"run.output_dir={output_dir}", "monitoring.progress=false"])
+    rd = RunDirectory.create(output_dir, new_run_id(cfg.run.name))
+    summary = run_federation(cfg, rd)
+    summary["run_dir"] = str(rd.path)
+    return summary
+
+
+def run_many(jobs: Sequence[list[str]], output_dir: Path, workers: Optional[int] = None) -> list[dict]:
+    """Run federations (each a list of overrides on the default config), ``workers`` at a time.
+
+    Each federation runs with the local engine in its own process; the studies parallelise over
+    runs (seeds, settings), which is what keeps a 2-core laptop busy.
+    """
+    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    args = [(list(job), str(output_dir)) for job in jobs]
+    if workers == 1:
+        return [_run_one(a) for a in args]
+    with ProcessPoolExecutor(max_workers=workers, initializer=_single_thread) as pool:
+        return list(pool.map(_run_one, args))
+
+
+def _single_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def write_outputs(out_dir: Path, title: str, tables: Sequence[Table], figures: Sequence[str] = (), preface: str = "") -> Path:
+    """``results.json``, ``results.csv`` and ``report.md`` for a study; returns the report path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = [{"title": t.title, "rows": [{"label": r.label, "ours": _jsonable(r.ours), "paper": r.paper} for r in t.rows]} for t in tables]
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=2))
+    with open(out_dir / "results.csv", "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["table", "label", "quantity", "ours", "paper"])
+        for t in tables:
+            for r in t.rows:
+                for k, v in r.ours.items():
+                    writer.writerow([t.title, json.dumps(r.label), k, json.dumps(_jsonable(v)), r.paper.get(k)])
+    parts = [f"# {title}", "", preface] if preface else [f"# {title}", ""]
+    parts += [t.markdown() for t in tables]
+    parts += [f"![{Path(f).stem}]({Path(f).name})" for f in figures]
+    report = out_dir / "report.md"
+    report.write_text("\n".join(parts) + "\n")
+    return report
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

@@ -1,0 +1,54 @@
+"""``rfedray experiment NAME [key=value ...]`` and ``rfedray experiment --list``."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from rfedray.errors import RfedrayError
+from rfedray.studies import STUDIES, get_study
+from rfedray.studies.base import SCALES
+
+
+def _parse(items: list[str]) -> dict[str, str]:
+    options = {"scale": "full", "out": "", "workers": ""}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in options:
+            raise RfedrayError(f"experiment option {item!r}: allowed are " + ", ".join(f"{k}=..." for k in options))
+        options[key] = value
+    if options["scale"] not in SCALES:
+        raise RfedrayError(f"scale={options['scale']!r}: must be one of " + ", ".join(SCALES))
+    if options["workers"] and (not options["workers"].isdigit() or int(options["workers"]) < 1):
+        raise RfedrayError(f"workers={options['workers']!r}: must be an integer >= 1")
+    return options
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    if args.list or not args.name:
+        print(f"{'study':24s} {'tiny':>8s} {'full':>10s}  description")
+        for name in STUDIES:
+            study = get_study(name)
+            t = study.laptop_minutes
+            print(f"{name:24s} {t['tiny']:>6g} m {t['full']:>8g} m  {study.description}")
+        print("\nexpected run times on a 2-core laptop-class CPU; run one with: rfedray experiment NAME [scale=tiny|full] [out=DIR] [workers=N]")
+        return 0
+    options = _parse(args.items)
+    study = get_study(args.name)
+    out = Path(options["out"] or f"experiments/{args.name}-{options['scale']}-{time.strftime('%Y%m%d-%H%M%S')}")
+    workers = int(options["workers"]) if options["workers"] else None
+    report = study.run(out, options["scale"], workers=workers)
+    print(report)
+    return 0
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "experiment", help="reproduce one of the paper's results",
+        description="Run a named study over seeds and write results.csv/json, PNG figures and report.md.",
+    )
+    parser.add_argument("name", nargs="?", help="study name (see --list)")
+    parser.add_argument("items", nargs="*", metavar="key=value", help="scale=tiny|full, out=DIR, workers=N")
+    parser.add_argument("--list", action="store_true", help="list the studies with their expected run time")
+    parser.set_defaults(func=cmd_experiment)

@@ -1,0 +1,76 @@
+"""The command line through a real subprocess: help, config show, errors, a small run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RFEDRAY = [sys.executable, "-m", "rfedray.cli"]
+TINY = [
+    "run.rounds=4", "federation.n_clients=4", "federation.clients_per_round=2",
+    "federation.local_steps=2", "federation.batch_size=20", "data.options.d=8", "data.options.p=2",
+    "data.options.records_per_client=100", "run.engine=local",
+]
+
+
+def rfedray(*args, cwd=ROOT, check=False):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([*RFEDRAY, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300, check=check)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["config", "--help"], ["config", "show", "--help"],
+                                  ["privacy", "--help"]])
+def test_help(args):
+    out = rfedray(*args)
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout
+
+
+def test_config_show_resolves_overrides():
+    out = rfedray("config", "show", "configs/fedpca.yaml", "federation.clients_per_round=7")
+    assert out.returncode == 0, out.stderr
+    assert "clients_per_round: 7" in out.stdout
+
+
+@pytest.mark.parametrize("args, field", [
+    (["run", "federation.clients_per_round=60"], "federation.clients_per_round"),
+    (["run", "privacy.delta=2"], "privacy.delta"),
+    (["run", "aggregation.scheme=median"], "aggregation.scheme"),
+    (["run", "nope.yaml"], "config"),
+    (["config", "show", "federation.n_clent=3"], "federation.n_clent"),
+])
+def test_bad_config_is_one_line_and_exit_2(args, field):
+    out = rfedray(*args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {field}="), out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_run_writes_the_contracted_run_directory(tmp_path):
+    out = rfedray("run", "configs/fedpca.yaml", *TINY, f"run.output_dir={tmp_path}", "--quiet")
+    assert out.returncode == 0, out.stderr
+    run_dir = Path(out.stdout.strip().splitlines()[0])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("rounds_completed", "epsilon_spent", "epsilon_target", "delta", "sigma", "halted",
+                "halt_reason", "final_metrics"):
+        assert key in summary
+    assert summary["rounds_completed"] == 4
+    assert 0 < summary["epsilon_spent"] <= summary["epsilon_target"]
+    assert isinstance(summary["final_metrics"], dict) and "gap" in summary["final_metrics"]
+    assert (run_dir / "config.yaml").is_file()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 4
+    # --quiet and a non-terminal stderr: one plain line per round
+    assert sum("round" in line for line in out.stderr.splitlines()) >= 4
+
+
+def test_unwritable_output_dir_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = rfedray("run", *TINY, f"run.output_dir={blocker}/sub")
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("error: run.output_dir=")

@@ -1,0 +1,266 @@
+"""EEG data: synthetic EEG, the MOABB path on the real PhysioNet files (offline), splits and cache."""
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import binomtest
+from torch.func import grad, vmap
+
+from rfedray import registry
+from rfedray.config import ConfigError
+from rfedray.data import eeg, synthetic_eeg
+from rfedray.data.eeg import DATASETS, DatasetUnavailableError, group_subjects, stratified_split
+from rfedray.models import spdnet
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small tensors: one intra-op thread is faster, and immune to oversubscribed shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+SHARED_EEG = DATASETS["PhysionetMI"].default_path
+
+
+def _refuse(*args, **kwargs):
+    raise OSError("network access is blocked in this test")
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """No network: every socket connection and name lookup fails."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(socket.socket, "connect", _refuse)
+        mp.setattr(socket, "getaddrinfo", _refuse)
+        mp.delenv("MNE_DATASETS_EEGBCI_PATH", raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def physionet_cache(tmp_path_factory):
+    if not SHARED_EEG.is_dir():
+        pytest.skip(f"the shared EEG files are not at {SHARED_EEG}")
+    return tmp_path_factory.mktemp("eeg-cache")
+
+
+def physionet(cache, **options):
+    return eeg.build(eeg.Options(dataset="PhysionetMI", cache_dir=str(cache), **options), n_clients=5, seed=0)
+
+
+@pytest.fixture(scope="module")
+def real_covariances(offline, physionet_cache):
+    dataset = physionet(physionet_cache, test_fraction=0.5, split_seed=0)
+    return dataset, [dataset.client_data(i) for i in range(5)]
+
+
+def synthetic(**options):
+    return synthetic_eeg.build(synthetic_eeg.Options(**options), n_clients=3, seed=4)
+
+
+def test_synthetic_covariances_shapes_labels_and_normalisation():
+    ds = synthetic(channels=6, n_times=100, num_classes=3, trials_per_client=30)
+    assert ds.info["record_shape"] == (6, 6) and ds.info["num_classes"] == 3
+    sizes = ds.client_sizes()
+    for i in range(3):
+        c = ds.client_data(i)
+        x, y = c.train
+        assert x.shape == (sizes[i], 6, 6) and x.dtype == torch.float32 and y.dtype == torch.int64
+        assert torch.bincount(torch.cat([y, c.test[1]])).tolist() == [10, 10, 10]
+        eig = torch.linalg.eigvalsh(x.double())
+        torch.testing.assert_close(eig.mean(-1), torch.ones(x.shape[0], dtype=torch.float64))
+        # Normalised, so Table 5's floor (<= 8e-5) sits far below every eigenvalue.
+        assert eig.min() > 1e-2
+    ev = ds.eval_data()
+    assert ev.tensors[0].shape[0] == sum(ev.extra["test_sizes"]) == 3 * 30 - sum(sizes)
+
+
+def test_synthetic_raw_is_in_microvolts_and_deterministic():
+    ds = synthetic(representation="raw", channels=5, n_times=64, amplitude=2e-5)
+    x, y = ds.client_data(1).train
+    assert x.shape[1:] == (5, 64)
+    assert 10 < float(x.std()) < 40  # 2e-5 V sources = 20 uV
+    again = synthetic(representation="raw", channels=5, n_times=64, amplitude=2e-5).client_data(1).train
+    torch.testing.assert_close(x, again[0])
+    torch.testing.assert_close(y, again[1])
+    assert not torch.equal(x, ds.client_data(0).train[0][: x.shape[0]])
+
+
+def test_synthetic_classes_are_separable_by_spdnet():
+    ds = synthetic(channels=6, n_times=200, trials_per_client=60, separation=1.5, dtype="float64")
+    x, y = (torch.cat(t) for t in zip(*(ds.client_data(i).train for i in range(3))))
+    model = spdnet.build(spdnet.Options(d=4), ds.info)
+    params = model.init_params(torch.Generator().manual_seed(0))
+    stiefel = model.groups["bimap"]
+    loss = lambda p: vmap(model.per_sample_loss, in_dims=(None, 0, 0))(p, x, y).mean()
+    for _ in range(60):
+        g = grad(loss)(params)
+        params = {"bimap": stiefel.project(params["bimap"] - 0.1 * stiefel.proj_tangent(params["bimap"], g["bimap"])),
+                  "head": params["head"] - 0.1 * g["head"]}
+    assert model.evaluate(params, ds.eval_data())["accuracy"] > 0.8
+
+
+def test_synthetic_options_validation():
+    for field, value in [("channels", 1), ("num_classes", 1), ("trials_per_client", 3), ("amplitude", 0.0),
+                         ("representation", "tangent"), ("estimator", "scm"), ("test_fraction", 1.0), ("dtype", "half")]:
+        with pytest.raises(ConfigError, match=f"data.options.{field}"):
+            synthetic_eeg.Options(**{field: value}).validate("data.options")
+    resolved = registry.resolve_options(registry.data_module("synthetic_eeg"), {"channels": 4}, "data.options")
+    assert resolved.channels == 4
+
+
+@settings(max_examples=50, deadline=None)
+@given(counts=st.lists(st.integers(1, 40), min_size=2, max_size=7), fraction=st.floats(0.05, 0.95), seed=st.integers(0, 2**32 - 1))
+def test_stratified_split_property(counts, fraction, seed):
+    labels = np.random.default_rng(seed).permutation(np.repeat(np.arange(len(counts)), counts))
+    train, test = stratified_split(labels, fraction, np.random.default_rng(seed))
+    assert np.array_equal(np.sort(np.concatenate([train, test])), np.arange(labels.size))
+    assert np.array_equal(np.bincount(labels[test], minlength=len(counts)), eeg.held_out_counts(np.array(counts), fraction))
+
+
+def test_split_rejects_bad_fraction():
+    with pytest.raises(ValueError, match="test_fraction"):
+        stratified_split(np.array([0, 1]), 0.0, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("subjects, clients, sizes", [(9, 3, [3, 3, 3]), (52, 26, [2] * 26), (10, 5, [2] * 5), (5, 5, [1] * 5)])
+def test_subjects_to_clients_as_in_table_13(subjects, clients, sizes):
+    groups = group_subjects(list(range(1, subjects + 1)), clients)
+    assert [len(g) for g in groups] == sizes
+    assert sum(groups, []) == list(range(1, subjects + 1))
+
+
+@pytest.mark.parametrize("name, n_times", [("BNCI2014_001", 513), ("Weibo2014", 513), ("Cho2017", 384), ("PhysionetMI", 384)])
+def test_trial_lengths_are_the_papers(name, n_times):
+    assert DATASETS[name].n_times(128.0) == n_times
+
+
+def test_specs_agree_with_moabb():
+    import moabb.datasets
+    import moabb.paradigms
+
+    for spec in DATASETS.values():
+        dataset = getattr(moabb.datasets, spec.name)()
+        paradigm = getattr(moabb.paradigms, spec.paradigm)(**spec.paradigm_kwargs)
+        assert paradigm.is_valid(dataset)
+        assert list(paradigm.used_events(dataset)) == list(spec.events)
+        assert dataset.interval[1] - dataset.interval[0] == spec.window_s
+        assert set(spec.subjects) <= set(dataset.subject_list) == set(spec.available)
+
+
+def test_moabb_options_validation():
+    bad = [("dataset", {"dataset": "BNCI2015_001"}), ("representation", {"representation": "tangent"}),
+           ("subjects", {"dataset": "BNCI2014_001", "subjects": [10]}), ("subjects", {"subjects": []}),
+           ("fmax", {"fmax": 70.0}), ("fmin", {"fmin": 40.0}), ("n_times", {"n_times": 400}),
+           ("estimator", {"estimator": "scm"}), ("test_fraction", {"test_fraction": 0.0}), ("dtype", {"dtype": "int8"})]
+    for field, options in bad:
+        with pytest.raises(ConfigError, match=f"data.options.{field}"):
+            eeg.Options(**options).validate("data.options")
+    with pytest.raises(ConfigError, match="federation.n_clients"):
+        eeg.build(eeg.Options(), n_clients=6, seed=0)
+    resolved = registry.resolve_options(registry.data_module("moabb"), {"dataset": "Cho2017", "subjects": [1, 2]}, "data.options")
+    assert resolved == eeg.Options(dataset="Cho2017", subjects=[1, 2])
+
+
+def test_data_path_resolution(monkeypatch, tmp_path):
+    spec = DATASETS["PhysionetMI"]
+    monkeypatch.delenv(spec.env_key, raising=False)
+    assert spec.data_path("") == eeg.REPOSITORY.parent / "shared" / "data" / "eegmmidb"
+    monkeypatch.setenv(spec.env_key, str(tmp_path / "env"))
+    assert spec.data_path("") == tmp_path / "env"
+    assert spec.data_path(str(tmp_path / "opt")) == tmp_path / "opt"
+
+
+def test_cache_key_hashes_every_preprocessing_parameter(tmp_path):
+    base = dict(cache_dir=str(tmp_path))
+    digests = {
+        eeg.build(eeg.Options(**base, **change), n_clients=5, seed=0).cache.digest
+        for change in [{}, {"fmin": 7.0}, {"fmax": 31.0}, {"resample": 100.0}, {"n_times": 300},
+                       {"estimator": "lwf"}, {"representation": "raw"}, {"dataset": "Cho2017"}]
+    }
+    assert len(digests) == 8
+    same = {eeg.build(eeg.Options(**base, **change), n_clients=5, seed=0).cache.digest
+            for change in [{}, {"test_fraction": 0.3}, {"split_seed": 3}, {"dtype": "float64"}, {"data_path": "/x"}]}
+    assert len(same) == 1
+
+
+def test_missing_dataset_raises_a_helpful_error(offline, tmp_path):
+    options = eeg.Options(dataset="BNCI2014_001", data_path=str(tmp_path), cache_dir=str(tmp_path / "cache"))
+    dataset = eeg.build(options, n_clients=3, seed=0)
+    with pytest.raises(DatasetUnavailableError) as info:
+        dataset.client_data(0)
+    message = str(info.value)
+    assert "BNCI2014_001" in message and str(tmp_path) in message and "download" in message and "MNE_DATASETS_BNCI_PATH" in message
+    assert "MNE_DATASETS_BNCI_PATH" not in os.environ
+
+
+def test_physionet_covariances_offline(real_covariances):
+    dataset, clients = real_covariances
+    assert dataset.info["subjects"] == [[1], [2], [3], [4], [5]]
+    assert dataset.info["record_shape"] == (64, 64) and dataset.info["classes"] == ["left_hand", "right_hand"]
+    sizes = dataset.client_sizes()
+    for client, size in zip(clients, sizes):
+        x, y = client.train
+        xt, yt = client.test
+        assert x.shape == (size, 64, 64) and x.dtype == torch.float32
+        assert x.shape[0] + xt.shape[0] == 45  # MOABB's 45 imagined left/right cues per subject
+        assert set(torch.cat([y, yt]).tolist()) == {0, 1}
+        assert abs(int((y == 0).sum()) - int((y == 1).sum())) <= 2
+        eig = torch.linalg.eigvalsh(x.double())
+        torch.testing.assert_close(eig.mean(-1), torch.ones(x.shape[0], dtype=torch.float64))
+        assert eig.min() > 0
+    ev = dataset.eval_data()
+    assert ev.tensors[0].shape == (225 - sum(sizes), 64, 64) and not ev.oracle
+
+
+def test_physionet_second_load_hits_the_cache(real_covariances, monkeypatch):
+    dataset, clients = real_covariances
+    assert len(list(dataset.cache.folder.glob("subject_*.npz"))) == 5
+
+    def no_moabb(*args, **kwargs):
+        raise AssertionError("the second load must come from the cache")
+
+    monkeypatch.setattr(eeg, "load_subject_trials", no_moabb)
+    again = eeg.build(dataset.options, n_clients=5, seed=0)
+    for client, fresh in zip(clients, (again.client_data(i) for i in range(5))):
+        torch.testing.assert_close(client.train[0], fresh.train[0])
+        torch.testing.assert_close(client.test[1], fresh.test[1])
+
+
+def test_physionet_raw_trials_offline(offline, physionet_cache):
+    options = eeg.Options(dataset="PhysionetMI", representation="raw", subjects=[1, 2], cache_dir=str(physionet_cache))
+    two = eeg.build(options, n_clients=2, seed=0)
+    sizes = two.client_sizes()  # cold cache: preprocesses both subjects
+    x, y = two.client_data(1).train
+    assert x.shape[0] == sizes[1] and sizes[0] == two.client_data(0).train[0].shape[0]
+    assert two.info["record_shape"] == (64, 384) and x.shape[1:] == (64, 384)
+    assert 2 < float(x.std()) < 200  # microvolts, band-passed
+    assert set(y.tolist()) == {0, 1}
+
+
+def test_centralised_spdnet_beats_chance_on_held_out_trials(real_covariances):
+    """Non-private SPDNet on the pooled train splits; one-sided binomial test on the test trials."""
+    dataset, clients = real_covariances
+    x, y = (torch.cat(t) for t in zip(*(c.train for c in clients)))
+    model = spdnet.build(spdnet.Options(), dataset.info)
+    params = model.init_params(torch.Generator().manual_seed(0))
+    stiefel = model.groups["bimap"]
+    loss = lambda p: vmap(model.per_sample_loss, in_dims=(None, 0, 0))(p, x, y).mean()
+    for _ in range(200):
+        g = grad(loss)(params)
+        params = {"bimap": stiefel.project(params["bimap"] - 0.02 * stiefel.proj_tangent(params["bimap"], g["bimap"])),
+                  "head": params["head"] - 0.02 * g["head"]}
+    test = dataset.eval_data()
+    metrics = model.evaluate(params, test)
+    n = test.tensors[1].shape[0]
+    correct = round(metrics["accuracy"] * n)
+    p_value = binomtest(correct, n, 0.5, alternative="greater").pvalue
+    print(f"centralised SPDNet on PhysionetMI: train {x.shape[0]}, test {n}, accuracy {metrics['accuracy']:.3f}, p = {p_value:.2g}")
+    assert p_value < 0.01
