@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", action="store_true", help="log debug information")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    run = sub.add_parser("run", help="run a federation and write a run directory",
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help="log debug information")
+    run = sub.add_parser("run", help="run a federation and write a run directory", parents=[verbose],
                          description="Run a federation. Prints the run directory, writes summary.json there.")
     run.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]",
                      help="a YAML config (default: the built-in federated-PCA config) and dotlist overrides")
@@ -115,7 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may come after options (e.g. `run cfg.yaml --quiet run.seed=1`).
+    stray = [item for item in extra if "=" not in item or item.startswith("-")]
+    if stray or (extra and not hasattr(args, "items")):
+        parser.error("unrecognized arguments: " + " ".join(stray or extra))
+    if extra:
+        args.items = [*args.items, *extra]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

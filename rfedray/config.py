@@ -156,6 +156,7 @@ class MonitoringConfig:
 
     metrics_port: Optional[int] = None
     metrics_host: str = "127.0.0.1"
+    linger_seconds: float = 0.0
     progress: bool = True
 
 
@@ -379,6 +380,8 @@ def validate(cfg: Config) -> None:
     mon = cfg.monitoring
     if mon.metrics_port is not None and not (0 <= mon.metrics_port <= 65535):
         raise ConfigError("monitoring.metrics_port", mon.metrics_port, "must be null (off) or a port in [0, 65535]")
+    if not (0.0 <= mon.linger_seconds <= 3600.0):
+        raise ConfigError("monitoring.linger_seconds", mon.linger_seconds, "must be in [0, 3600]")
 
     # Model and data options are validated by their registered schemas.
     from rfedray import registry

@@ -7,6 +7,7 @@ federation to the Ray layer (``actors``), which distributes the clients over act
 from __future__ import annotations
 
 import sys
+import time
 from typing import Optional
 
 from rfedray.config import Config
@@ -90,4 +91,6 @@ def run(cfg: Config, run_dir: RunDirectory, *, quiet: bool = False, resume: bool
     finally:
         executor.close()
         if metrics is not None:
+            # Keep the endpoint up a little so a scraper sees the final values.
+            time.sleep(cfg.monitoring.linger_seconds)
             metrics.metrics.close()

@@ -99,9 +99,22 @@ class Grassmann(Manifold):
         return _TopEigenprojector.apply(sym(y), self.p)[0]
 
     def proj_tangent(self, x: Tensor, z: Tensor) -> Tensor:
-        """``P_X(Z) = X Zs + Zs X - 2 X Zs X`` with ``Zs = sym(Z)``; ``x`` broadcasts against ``z``."""
+        """``P_X(Z) = X Zs + Zs X - 2 X Zs X`` with ``Zs = sym(Z)``; ``x`` broadcasts against ``z``.
+
+        When one point ``x`` of shape ``(d, d)`` meets a batch ``z`` of shape ``(B, d, d)`` (the
+        per-sample gradients of the private step) and no gradient flows to ``x``, the projection
+        goes through a basis ``U`` of ``x`` (one ``eigh``): with ``W = Zs U`` and
+        ``V = W - U (U^T W)``, ``P_X(Z) = U V^T + V U^T``, which costs ``O(B d^2 p)`` instead of
+        ``O(B d^3)``. Both forms agree on the manifold.
+        """
         self._check_shape("z", z)
-        xz = x @ sym(z)
+        zs = sym(z)
+        if x.dim() == 2 and z.dim() > 2 and 4 * self.p <= self.d and not (torch.is_grad_enabled() and x.requires_grad):
+            u = torch.linalg.eigh(sym(x).to(working_dtype(x.dtype)))[1][:, -self.p:].to(x.dtype)
+            w = zs @ u
+            v = w - u @ (u.mT @ w)
+            return u @ v.mT + v @ u.mT
+        xz = x @ zs
         return xz + xz.mT - 2.0 * xz @ x
 
     def _basis(self, x: Tensor) -> Tensor:

@@ -9,7 +9,8 @@ STUDIES = {
     "fedpca-participation": "rfedray.studies.fedpca:FedPCAParticipation",
     "fedpca-accounting": "rfedray.studies.fedpca:FedPCAAccounting",
     "noise-ratio": "rfedray.studies.accounting:NoiseRatio",
-    "aggregation-cost": "rfedray.studies.accounting:AggregationCost",
+    "aggregation-cost": "rfedray.studies.aggregation_cost:AggregationCost",
+    "mestimation": "rfedray.studies.mestimation:MEstimationStudy",
 }
 
 

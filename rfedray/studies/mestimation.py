@@ -179,3 +179,15 @@ def _report(out: Path, claims: dict, finals: list[dict], scale: str) -> None:
     for key, value in claims.items():
         lines.append(f"- `{key}`: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in value.items()))
     (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+class MEstimationStudy:
+    """``rfedray experiment mestimation``: the M-estimation strategies against rounds and epsilon."""
+
+    name = "mestimation"
+    description = "Auddy-Peng-Paul: DP-FedSGD/FedAvg/FedHybrid/FedNewton error vs rounds and epsilon"
+    laptop_minutes = {"tiny": 1, "full": 20}
+
+    def run(self, out: Path, scale: str, workers=None) -> Path:
+        run_study(out, scale)
+        return Path(out) / "report.md"

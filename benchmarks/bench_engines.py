@@ -1,0 +1,147 @@
+"""Round time of the Ray engine and of the local engine, in the same run, at n = 10, 100, 500.
+
+Federated PCA on Gr(40, 4) (the default config: 1,000 records per client, tau = 5, B = 50), k = n/5
+clients per round, a fixed sigma and the CLT accountant (the exact accountant's per-round cost is
+the same for both engines and would hide the engines' difference). Both engines hold every
+client's data before the first round (the local engine loads a client the first time it is
+selected), and round 0 is left out (first-call costs). This process runs torch with as many threads
+as each client actor (1 by default): with 2 threads on 2 busy cores, intra-op threads wait for
+each other and the local engine measured 8x slower. Per engine and n it reports the median
+round time (the loop's ``round_seconds``: charge, train, aggregate, evaluate), the median time of
+the training step alone, their Ray/local ratios, and the peak memory: of this process for the local
+engine, of this process and all its descendants (the driver and every Ray process it started) for
+the Ray engine.
+
+Run: ``python benchmarks/bench_engines.py [--sizes 10 100 500] [--rounds 6] [--threads 1]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import threading
+import time
+
+import psutil
+import ray
+import torch
+
+from actors.driver import LOCAL_OBJECT_STORE_BYTES, ray_executor
+from rfedray.config import load_config
+from rfedray.federated.loop import Federation
+from rfedray.federated.rundir import RunDirectory
+
+GIB = 1024**3
+
+
+def process_memory(descendants: bool) -> tuple[int, int]:
+    """(RSS, USS) in bytes of this process, summed with all its descendants' if ``descendants``."""
+    rss = uss = 0
+    me = psutil.Process()
+    for proc in [me, *(me.children(recursive=True) if descendants else [])]:
+        try:
+            info = proc.memory_full_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        rss, uss = rss + info.rss, uss + info.uss
+    return rss, uss
+
+
+class MemorySampler:
+    """Samples :func:`process_memory` every ``interval`` seconds in a thread; keeps the peaks."""
+
+    def __init__(self, descendants: bool, interval: float = 0.5):
+        self.descendants, self.interval, self.peak_rss, self.peak_uss = descendants, interval, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            rss, uss = process_memory(self.descendants)
+            self.peak_rss, self.peak_uss = max(self.peak_rss, rss), max(self.peak_uss, uss)
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "MemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class TimedExecutor:
+    """Wraps an executor and records the seconds of every ``train`` call."""
+
+    def __init__(self, inner):
+        self.inner, self.seconds = inner, []
+
+    def train(self, cohort, theta, round_index, states):
+        start = time.perf_counter()
+        results = self.inner.train(cohort, theta, round_index, states)
+        self.seconds.append(time.perf_counter() - start)
+        return results
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def measure_engine(engine: str, n: int, k: int, rounds: int, output_dir: str, *overrides: str) -> dict:
+    """Run federated PCA on ``engine`` and return its median round and train times and peak memory."""
+    cfg = load_config(None, [
+        f"run.engine={engine}", f"run.rounds={rounds}", f"run.output_dir={output_dir}", f"federation.n_clients={n}",
+        f"federation.clients_per_round={k}", "privacy.sigma=0.5", "privacy.epsilon=null", "privacy.accountant=clt",
+        "privacy.noise_seed=0", "monitoring.progress=false", "run.checkpoint_every=1000", *overrides,
+    ])
+    fed = Federation.prepare(cfg, RunDirectory.create(output_dir, f"{engine}-{n}-{time.time_ns()}"))
+    with MemorySampler(descendants=engine == "ray") as memory:
+        executor = ray_executor(fed) if engine == "ray" else fed.local_executor()
+        if engine == "local":
+            for cid in range(n):
+                executor.client(cid)
+        timed = TimedExecutor(executor)
+        try:
+            fed.run(timed)
+        finally:
+            timed.close()
+    records = [r for r in fed.run_dir.read_metrics() if "event" not in r][1:]
+    return {
+        "round_s": statistics.median(r["round_seconds"] for r in records),
+        "train_s": statistics.median(timed.seconds[1:]),
+        "failed": sum(r["failed"] for r in records),
+        "peak_rss_gib": memory.peak_rss / GIB,
+        "peak_uss_gib": memory.peak_uss / GIB,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 500])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of this process (the local engine and the server side); client "
+                             "actors use int(ray.num_cpus_per_actor) = 1")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ray.init(address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False)
+    cpus = int(ray.cluster_resources()["CPU"])
+    print(f"# {cpus} CPUs, load average {psutil.getloadavg()[0]:.1f}, {args.threads} torch thread(s) here; "
+          f"Ray engine: min(n, {cpus}) client actors of 1 thread")
+    print(f"{'n':>5} {'k':>4} {'local s':>9} {'ray s':>9} {'ratio':>6} {'train local':>12} {'train ray':>10} "
+          f"{'ratio':>6} {'mem local':>10} {'mem ray':>8}  (median per round; memory: peak RSS GiB)")
+    with tempfile.TemporaryDirectory() as out:
+        for n in args.sizes:
+            k = max(1, n // 5)
+            local = measure_engine("local", n, k, args.rounds, out)
+            remote = measure_engine("ray", n, k, args.rounds, out)
+            dropouts = f"  ({remote['failed']} dropouts)" if remote["failed"] else ""
+            print(f"{n:>5} {k:>4} {local['round_s']:>9.4f} {remote['round_s']:>9.4f} "
+                  f"{remote['round_s'] / local['round_s']:>6.2f} {local['train_s']:>12.4f} {remote['train_s']:>10.4f} "
+                  f"{remote['train_s'] / local['train_s']:>6.2f} {local['peak_rss_gib']:>10.2f} "
+                  f"{remote['peak_rss_gib']:>8.2f}{dropouts}", flush=True)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""A real Prometheus server scrapes a real `rfedray run`; what it stored matches summary.json.
+
+Also: nothing a run exports (metrics, logs, summary) carries a per-client data-dependent value.
+"""
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from prometheus_server import free_port, prometheus  # noqa: F401  (pytest fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = [
+    "run.rounds=12", "federation.n_clients=6", "federation.clients_per_round=3", "federation.local_steps=2",
+    "federation.batch_size=20", "data.options.d=10", "data.options.p=2", "data.options.records_per_client=100",
+    "run.engine=local", "monitoring.linger_seconds=6",
+]
+
+
+def start_run(tmp_path, port, *extra):
+    return subprocess.Popen(
+        [sys.executable, "-m", "rfedray.cli", "run", *RUN, f"run.output_dir={tmp_path}",
+         f"monitoring.metrics_port={port}", "--quiet", *extra],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def test_prometheus_stores_what_the_run_reports(tmp_path, prometheus):
+    port = free_port()
+    server = prometheus(f"127.0.0.1:{port}")
+    proc = start_run(tmp_path, port)
+    run_dir = Path(proc.stdout.readline().strip())
+    deadline = time.time() + 240
+    while not (run_dir / "summary.json").is_file():
+        if proc.poll() is not None and not (run_dir / "summary.json").is_file():
+            pytest.fail(f"run failed: {proc.stderr.read()}")
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail("run did not finish")
+        time.sleep(0.2)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rounds = server.wait_until("rfedray_rounds_completed_total", lambda v: v == summary["rounds_completed"], timeout=20)
+    # Read everything while the run's endpoint is still up (afterwards its series go stale).
+    eps = server.value("rfedray_epsilon_spent")
+    current = server.value("rfedray_current_round")
+    target = server.value("rfedray_epsilon_target")
+    halted = server.value("rfedray_halted")
+    labels = server.query("rfedray_epsilon_spent")[0]["metric"]
+    proc.wait(timeout=60)
+    assert rounds == 12 and current == 12
+    assert eps == pytest.approx(summary["epsilon_spent"], rel=1e-9)
+    assert target == summary["epsilon_target"]
+    assert halted == 0
+    assert labels["run_id"] == run_dir.name and labels["scheme"] == "projavg"
+
+
+def test_no_client_value_leaks_through_metrics_logs_or_summary(tmp_path):
+    port = free_port()
+    proc = start_run(tmp_path, port, "monitoring.linger_seconds=3", "--verbose")
+    run_dir = Path(proc.stdout.readline().strip())
+    body = ""
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            if (run_dir / "summary.json").is_file():
+                break
+        except OSError:
+            pass
+        time.sleep(0.3)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    # No series is labelled by client, and no label value is a number (a data-dependent value).
+    for line in body.splitlines():
+        if line.startswith("rfedray_"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            assert not any(k.startswith("client") for k in labels), line
+            assert set(labels) <= {"run_id", "scheme", "dataset", "model", "le"}, line
+    # metrics.jsonl and summary.json hold only run-level values: no per-client keys.
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    allowed = {"round", "cohort_size", "answered", "failed", "rejected", "epsilon_spent", "round_seconds",
+               "aggregation_seconds", "local_train_seconds", "metric_loss", "metric_gap", "metric_distance"}
+    for record in records:
+        assert set(record) <= allowed, set(record) - allowed
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert not any("client" in key and key not in ("client_failures",) for key in summary)
+    # The log never prints records or gradients.
+    assert "tensor(" not in stderr

@@ -1,0 +1,74 @@
+"""Every study runs end to end at the tiny scale; the paper's numbers are the seeds' numbers."""
+
+import csv
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from rfedray.privacy.paper import PAPER_CLIP
+from rfedray.studies import STUDIES, get_study, paper
+
+SEEDS = Path(__file__).resolve().parents[1].parent / "shared" / "seeds" / "000_85d8e755889788bd.txt"
+
+
+def _numbers_in_seed() -> set[float]:
+    text = SEEDS.read_text().replace("\u22c5", "*").replace("\u2212", "-")
+    values = set()
+    for mantissa, exponent in re.findall(r"(\d+(?:\.\d+)?)\*10(-?\d+)", text):
+        values.add(round(float(mantissa) * 10 ** int(exponent), 12))
+    for exponent in re.findall(r"=10(-\d+)", text):
+        values.add(round(10.0 ** int(exponent), 12))
+    for number in re.findall(r"\d+(?:\.\d+)?", text):
+        values.add(round(float(number), 12))
+    return values
+
+
+def test_paper_values_are_the_seeds_values():
+    seen = _numbers_in_seed()
+    expected = []
+    for row in paper.TABLE9:
+        expected += list(row[1:])
+    for eps, row in paper.TABLE10.items():
+        expected += [eps, *row]
+    for row in paper.TABLE15.values():
+        expected += list(row.values())
+    expected += list(paper.TABLE4.values())
+    missing = [v for v in expected if round(float(v), 12) not in seen]
+    assert not missing, f"not in the seed document: {missing}"
+
+
+@pytest.mark.parametrize("name", ["noise-ratio", "aggregation-cost", "fedpca-participation", "fedpca-accounting", "fedpca-dimension"])
+def test_study_runs_at_tiny_scale(tmp_path, name):
+    report = get_study(name).run(tmp_path, "tiny", workers=2)
+    assert report.is_file()
+    text = report.read_text()
+    assert "paper" in text
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert payload and all(table["rows"] for table in payload)
+    with open(tmp_path / "results.csv") as fh:
+        assert len(list(csv.reader(fh))) > 1
+    for figure in re.findall(r"\]\(([^)]+\.png)\)", text):
+        assert (tmp_path / figure).stat().st_size > 1000
+
+
+def test_noise_ratio_reproduces_figure_4b(tmp_path):
+    get_study("noise-ratio").run(tmp_path, "tiny")
+    rows = json.loads((tmp_path / "results.json").read_text())[0]["rows"]
+    for row in rows:
+        assert 5.0 <= row["ours"]["ratio"] <= 6.0
+        if row["paper"]:
+            assert row["ours"]["sigma ours"] == pytest.approx(row["paper"]["sigma ours"], rel=0.01)
+
+
+def test_every_study_is_listed():
+    for name in STUDIES:
+        study = get_study(name)
+        assert study.name == name and set(study.laptop_minutes) == {"tiny", "full"}
+
+
+def test_fitted_clip_is_in_the_paper_config():
+    from rfedray.config import load_config
+
+    assert load_config(None).privacy.clip == PAPER_CLIP
