@@ -56,6 +56,10 @@ class ConfigError(RfedrayError, ValueError):
         self.allowed = allowed
         super().__init__(f"{field}={value!r}: {allowed}")
 
+    def __reduce__(self):
+        # Picklable with its three arguments, so it crosses process (Ray) boundaries intact.
+        return (type(self), (self.field, self.value, self.allowed))
+
 
 @dataclass
 class RunConfig:
@@ -65,7 +69,7 @@ class RunConfig:
     seed: int = 0
     rounds: int = 50
     output_dir: str = "runs"
-    engine: str = "local"
+    engine: str = "ray"
     checkpoint_every: int = 10
     evaluate_every: int = 1
 
@@ -76,8 +80,8 @@ class FederationConfig:
 
     n_clients: int = 10
     clients_per_round: int = 5
-    local_steps: int = 5
-    batch_size: int = 50
+    local_steps: int = 10
+    batch_size: int = 100
 
 
 @dataclass
@@ -124,7 +128,7 @@ class OptimizerConfig:
     """A local optimiser for one parameter group, with its learning-rate schedule."""
 
     name: str = "rsgd"
-    lr: float = 0.2
+    lr: float = 0.5
     momentum: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.999

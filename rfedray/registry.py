@@ -29,6 +29,7 @@ DATA_SOURCES = {
     "moabb": "rfedray.data.eeg",
     "sklearn": "rfedray.data.sklearn_data",
     "vision": "rfedray.data.vision",
+    "arrays": "rfedray.data.arrays",
 }
 
 

@@ -31,7 +31,8 @@ class ProgressObserver:
 
     def on_finish(self, summary: dict) -> None:
         eps = summary["epsilon_spent"]
-        budget = f", epsilon {eps:.4g} of {summary['epsilon_target']}" if eps is not None else ", non-private"
+        target = summary["epsilon_target"]
+        budget = ", non-private" if eps is None else f", epsilon {eps:.4g}" + ("" if target is None else f" of {target:g}")
         halted = f"; halted: {summary['halt_reason']}" if summary["halted"] else ""
         self.progress.close(f"done: {summary['rounds_completed']} rounds{budget}{halted}")
 

@@ -5,7 +5,8 @@ no memory) and ``ray.device=cuda``; the script prints every actor's node, proces
 device, runs a few private rounds, and prints the summary.
 
 Run on a machine with a CUDA GPU: ``python scripts/gpu_check.py [--rounds 5] [--clients 32]``.
-Exit status 0 when every actor trained on CUDA and no client failed, 1 otherwise.
+Exit status 0 when every actor trained on CUDA and no client failed, 1 otherwise. A dry run of the
+script on a CPU machine: ``--device cpu --gpus-per-actor 0``.
 """
 
 from __future__ import annotations
@@ -29,16 +30,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--gpus-per-actor", type=float, default=1 / ACTORS)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device visible to torch: run this on a GPU machine", file=sys.stderr)
         return 1
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(None, [
             "run.engine=ray", f"run.rounds={args.rounds}", f"run.output_dir={out}", "monitoring.progress=false",
             f"federation.n_clients={args.clients}", f"federation.clients_per_round={args.clients // 2}",
-            f"ray.num_client_actors={ACTORS}", f"ray.num_gpus_per_actor={1 / ACTORS}", "ray.num_cpus_per_actor=1",
-            "ray.device=cuda", "privacy.sigma=0.5", "privacy.epsilon=null",
+            f"ray.num_client_actors={ACTORS}", f"ray.num_gpus_per_actor={args.gpus_per_actor}",
+            "ray.num_cpus_per_actor=0.25", f"ray.device={args.device}", "privacy.sigma=0.5", "privacy.epsilon=null",
         ])
         fed = Federation.prepare(cfg, RunDirectory.create(out, new_run_id("gpu-check")))
         executor = ray_executor(fed)
@@ -51,9 +54,9 @@ def main() -> int:
         finally:
             executor.close()
     print(json.dumps({k: summary[k] for k in ("rounds_completed", "client_failures", "epsilon_spent", "final_metrics")}))
-    on_cuda = all(info["device"].startswith("cuda") for info in actors)
-    ok = on_cuda and summary["client_failures"] == 0 and summary["rounds_completed"] == args.rounds
-    print("OK" if ok else f"FAILED: every actor on CUDA: {on_cuda}; client failures: {summary['client_failures']}")
+    on_device = all(info["device"].startswith(args.device) for info in actors)
+    ok = on_device and summary["client_failures"] == 0 and summary["rounds_completed"] == args.rounds
+    print("OK" if ok else f"FAILED: every actor on {args.device}: {on_device}; client failures: {summary['client_failures']}")
     return 0 if ok else 1
 
 

@@ -68,7 +68,7 @@ def test_overrides_win_over_file():
     cfg = load_config(ROOT / "configs" / "fedpca.yaml", ["federation.clients_per_round=2", "optim.head.lr=0.01"])
     assert cfg.federation.clients_per_round == 2
     assert cfg.optim["head"].lr == 0.01
-    assert cfg.optim["default"].lr == 0.2
+    assert cfg.optim["default"].lr == 0.5
 
 
 def test_missing_file(tmp_path):

@@ -66,6 +66,7 @@ import numpy as np
 import torch
 
 from rfedray.config import ConfigError
+from rfedray.data.validation import first_nonfinite, spd_problem
 from rfedray.errors import RfedrayError
 from rfedray.task import ClientData, EvalData
 
@@ -227,6 +228,11 @@ class CovarianceRepresentation:
         covs = covs / mean_eig[:, None, None]
         return 0.5 * (covs + np.swapaxes(covs, -1, -2))
 
+    @staticmethod
+    def problem(features: np.ndarray) -> Optional[str]:
+        """The first covariance that is not finite or not symmetric positive definite, or None."""
+        return first_nonfinite(features) or spd_problem(features)
+
 
 class RawRepresentation:
     """The trial itself, shape (C, T), in microvolts, float32."""
@@ -245,6 +251,11 @@ class RawRepresentation:
 
     def transform(self, trials: np.ndarray) -> np.ndarray:
         return trials.astype(np.float32)
+
+    @staticmethod
+    def problem(features: np.ndarray) -> Optional[str]:
+        """The first trial holding a NaN or an infinity, or None."""
+        return first_nonfinite(features)
 
 
 REPRESENTATIONS = {"covariance": CovarianceRepresentation, "raw": RawRepresentation}
@@ -562,13 +573,32 @@ class MOABBEEG:
         }
 
     def subject_arrays(self, subject: int) -> tuple[np.ndarray, np.ndarray]:
-        """Features and labels of one subject, from the cache or preprocessed and cached now."""
+        """Features and labels of one subject, from the cache or preprocessed and cached now.
+
+        Raises
+        ------
+        ConfigError
+            Naming ``data.options.subjects`` when a trial's features are unusable (not finite; for
+            covariances, not symmetric positive definite, e.g. from a flat or duplicated channel).
+        """
         cached = self.cache.read(subject, "x", "y")
         if cached is not None:
-            return cached[0], cached[1]
-        trials, labels = load_subject_trials(self.preprocessing, subject, self.data_path)
-        features = self.representation.transform(trials)
-        self.cache.save(subject, features, labels)
+            features, labels = cached
+            source = f"the cached file {self.cache.path(subject)}"
+        else:
+            trials, labels = load_subject_trials(self.preprocessing, subject, self.data_path)
+            features = self.representation.transform(trials)
+            source = f"the recording under {self.data_path}"
+        problem = self.representation.problem(features)
+        if problem is not None:
+            raise ConfigError(
+                "data.options.subjects", [s for group in self.subjects for s in group],
+                f"{self.spec.name} subject {subject}, {self.options.representation} features: {problem} "
+                f"(from {source}); leave the subject out of data.options.subjects, or delete the cache "
+                f"folder {self.cache.folder} if the file is damaged",
+            )
+        if cached is None:
+            self.cache.save(subject, features, labels)
         return features, labels
 
     def _client_arrays(self, client_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -30,7 +30,7 @@ class Options:
 
     d: int = 40
     p: int = 4
-    records_per_client: int = 1000
+    records_per_client: int = 2000
     size_spread: float = 0.0
     heterogeneity: float = 0.1
     eigengap: float = 1.0

@@ -75,12 +75,12 @@ class ClientFailure:
     reason: str
 
 
-def round_generator(noise_seed: Optional[int], client_id: int, round_index: int) -> torch.Generator:
-    """The generator of one client's round: OS entropy, or derived from the fixed seed."""
+def round_generator(noise_seed: Optional[int], client_id: int, round_index: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator of one client's round, on ``device``: OS entropy, or derived from the fixed seed."""
     if noise_seed is None:
-        return noise_generator(None)
+        return noise_generator(None, device)
     derived = np.random.SeedSequence(entropy=noise_seed, spawn_key=(client_id, round_index)).generate_state(2)
-    return noise_generator(int(derived[0]) << 32 | int(derived[1]))
+    return noise_generator(int(derived[0]) << 32 | int(derived[1]), device)
 
 
 class Client:
@@ -145,7 +145,8 @@ class Client:
         start = time.perf_counter()
         for name, opt in self._optimizers.items():
             opt.load_state_dict((optimizer_state or {}).get(name, {}))
-        generator = round_generator(self.plan.noise_seed, self.client_id, round_index)
+        device = next(iter(theta.values())).device
+        generator = round_generator(self.plan.noise_seed, self.client_id, round_index, device)
         params = {name: value.clone() for name, value in theta.items()}
         m = self.num_records
         for j in range(self.plan.local_steps):

@@ -39,6 +39,21 @@ from rfedray.task import FederatedDataset, FederatedModel, Params
 log = logging.getLogger(__name__)
 
 
+FINGERPRINT_NOTES = {"data.client_sizes": "the clients' record counts differ"}
+"""How a changed accounting setting is described when its value is not readable (a hash)."""
+
+
+def _flatten(fingerprint: dict) -> dict:
+    """``{"privacy": {"clip": c}, ...}`` as ``{"privacy.clip": c, ...}``."""
+    flat = {}
+    for key, value in fingerprint.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
 class RoundObserver(Protocol):
     """Receives one record per completed round and the summary at the end (progress, metrics)."""
 
@@ -118,13 +133,14 @@ class Federation:
         seeded = cfg.privacy.noise_seed is not None
         if seeded and self.privacy.enabled:
             log.warning("privacy.noise_seed is set: reproducible noise, NOT FOR PRODUCTION")
+        # Load every piece of data before the run directory is touched: a bad input fails here.
+        eval_data = self.dataset.eval_data()
         state = self._start_state(ledger, fingerprint, resume)
         theta: Params = state["theta"]
         start_round: int = state["round"]
         opt_states: dict[int, dict] = state["optimizer_states"]
         counters = state["counters"]
         halted, halt_reason = False, ""
-        eval_data = self.dataset.eval_data()
         last_metrics: dict[str, float] = state.get("last_metrics", {})
         started = time.perf_counter()
         t = start_round
@@ -210,6 +226,75 @@ class Federation:
             "last_metrics": dict(last_metrics),
         })
 
+    def _check_resumable(self, state: dict, fingerprint: dict) -> None:
+        """Refuse a checkpoint that this configuration cannot continue (nothing is written before).
+
+        Raises
+        ------
+        ConfigError
+            When a setting the accounting depends on changed, or ``run.rounds`` is below the
+            rounds already completed.
+        RfedrayError
+            When the checkpoint's model does not fit the configured model or is not finite.
+        """
+        rd = self.run_dir
+        before, now = _flatten(state.get("fingerprint") or {}), _flatten(fingerprint)
+        changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+        if changed:
+            details = "; ".join(
+                f"{k}: {FINGERPRINT_NOTES[k]}" if k in FINGERPRINT_NOTES else f"{k} was {before.get(k)!r}, now {now.get(k)!r}"
+                for k in changed
+            )
+            raise ConfigError(
+                changed[0], "changed since the checkpoint",
+                f"a resumed run must keep every setting the privacy accounting depends on ({details}); "
+                "resume with the original values, or start a new run",
+            )
+        done = state["round"]
+        if isinstance(done, bool) or not isinstance(done, int) or done < 0:
+            raise RfedrayError(f"--resume {rd.path}: checkpoint.pt records round {done!r}, not a round count; "
+                               "it is damaged: restore it from a backup or start a new run")
+        if done > self.cfg.run.rounds:
+            raise ConfigError("run.rounds", self.cfg.run.rounds,
+                              f"the run has already completed {done} rounds; resume with run.rounds >= {done}")
+        theta = state["theta"]
+        expected = {k: tuple(v.shape) for k, v in initial_params(self.cfg, self.model).items()}
+        found = ({k: tuple(v.shape) for k, v in theta.items() if isinstance(v, torch.Tensor)}
+                 if isinstance(theta, dict) else None)
+        if found != expected:
+            raise RfedrayError(
+                f"--resume {rd.path}: checkpoint.pt holds a model of shapes {found}, the configuration builds "
+                f"{expected}; resume with the configuration the run was started with (its config.yaml)"
+            )
+        if not all(bool(torch.isfinite(v).all()) for v in theta.values()):
+            raise RfedrayError(f"--resume {rd.path}: checkpoint.pt holds a model that is not finite; "
+                               "it is damaged: restore it from a backup or start a new run")
+
+    def _saved_budget(self, fingerprint: dict) -> Optional[dict]:
+        """The write-ahead ledger of ``budget.json``, or None when there is none.
+
+        Raises
+        ------
+        RfedrayError
+            When ``budget.json`` is unreadable or was written for another accounting set-up.
+        """
+        rd = self.run_dir
+        if not rd.budget.is_file():
+            return None
+        try:
+            saved = json.loads(rd.budget.read_text())
+        except (OSError, ValueError) as exc:
+            raise RfedrayError(
+                f"--resume {rd.path}: budget.json is unreadable ({type(exc).__name__}); it records the privacy "
+                "budget spent, so the run cannot continue without it: restore it from a backup"
+            ) from None
+        if not isinstance(saved, dict) or saved.get("fingerprint") != fingerprint or "ledger" not in saved:
+            raise RfedrayError(
+                f"--resume {rd.path}: budget.json was not written for this run's accounting set-up "
+                "(its fingerprint differs from the checkpoint's); restore the run's own budget.json from a backup"
+            )
+        return saved
+
     def _start_state(self, ledger, fingerprint: dict, resume: bool) -> dict[str, Any]:
         rd = self.run_dir
         if not resume:
@@ -220,22 +305,18 @@ class Federation:
             theta = initial_params(self.cfg, self.model)
             return {"theta": theta, "round": 0, "optimizer_states": {}, "counters": {"client_failures": 0, "submissions_rejected": 0}}
         state = rd.read_checkpoint()
-        if state.get("fingerprint") != fingerprint:
-            changed = sorted(k for k in fingerprint if (state.get("fingerprint") or {}).get(k) != fingerprint[k])
-            raise ConfigError(
-                changed[0] if changed else "config", "changed since the checkpoint",
-                "a resumed run must keep every setting the privacy accounting depends on "
-                f"({', '.join(changed)}); start a new run instead",
-            )
-        theta = state["theta"]
-        expected = {k: tuple(v.shape) for k, v in initial_params(self.cfg, self.model).items()}
-        if {k: tuple(v.shape) for k, v in theta.items()} != expected:
-            raise RfedrayError(f"--resume {rd.path}: checkpoint.pt holds a model of another shape than the config's")
+        self._check_resumable(state, fingerprint)
         if ledger is not None:
             # The write-ahead ledger may be ahead of the checkpoint (rounds charged, then lost):
             # it is the one to keep, so a resumed run never reports less than was spent.
-            saved = json.loads(rd.budget.read_text()) if rd.budget.is_file() else {"ledger": state["ledger"]}
-            ledger.load_state_dict(saved["ledger"])
+            saved = self._saved_budget(fingerprint) or {"ledger": state["ledger"]}
+            try:
+                ledger.load_state_dict(saved["ledger"])
+            except (RfedrayError, KeyError, TypeError, AttributeError) as exc:
+                raise RfedrayError(
+                    f"--resume {rd.path}: the saved privacy ledger does not fit this run ({type(exc).__name__}: {exc}); "
+                    "restore budget.json from a backup (never delete it: it records the budget spent)"
+                ) from None
         rd.truncate_metrics(state["round"])
         rd.append_metrics({"event": "resumed", "round": state["round"], "epsilon_spent": ledger.epsilon_spent() if ledger else None})
         return state

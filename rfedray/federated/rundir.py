@@ -115,6 +115,23 @@ class RunDirectory:
         return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
 
     def truncate_metrics(self, before_round: int) -> None:
-        """Keep the rounds before ``before_round`` (a resume redoes the later ones)."""
-        kept = [r for r in self.read_metrics() if r.get("round", -1) < before_round or "event" in r]
+        """Keep the rounds before ``before_round`` (a resume redoes the later ones).
+
+        A last line cut short (the process was killed while appending it) belongs to a round the
+        resume redoes and is dropped; an unreadable line before it is an error.
+        """
+        lines = self.metrics.read_text().splitlines() if self.metrics.is_file() else []
+        records = []
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                if number < len(lines):
+                    raise RfedrayError(
+                        f"--resume {self.path}: metrics.jsonl line {number} is not JSON; repair or remove that "
+                        "line (it is the run's round log) and resume again"
+                    ) from None
+        kept = [r for r in records if r.get("round", -1) < before_round or "event" in r]
         atomic_write_bytes(self.metrics, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept).encode())

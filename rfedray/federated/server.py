@@ -60,6 +60,8 @@ class Server:
         for name, value in submission.items():
             if not isinstance(value, torch.Tensor) or value.shape != theta[name].shape:
                 return f"group {name!r}: expected a tensor of shape {tuple(theta[name].shape)}"
+            if not value.is_floating_point():
+                return f"group {name!r}: dtype {value.dtype} is not a real floating-point type"
             if not bool(torch.isfinite(value).all()):
                 return f"group {name!r}: not finite"
             scale = FAR_FACTOR * (1.0 + float(torch.linalg.vector_norm(theta[name])))

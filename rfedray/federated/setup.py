@@ -27,7 +27,16 @@ def build_dataset(cfg: Config) -> FederatedDataset:
 def build_model(cfg: Config, info: dict) -> FederatedModel:
     module = registry.model_module(cfg.model.name)
     options = registry.resolve_options(module, dict(cfg.model.options), "model.options")
-    return module.build(options, info, retraction=STIEFEL_RETRACTIONS[cfg.aggregation.retraction])
+    try:
+        return module.build(options, info, retraction=STIEFEL_RETRACTIONS[cfg.aggregation.retraction])
+    except KeyError as exc:
+        if not exc.args or exc.args[0] in info:
+            raise
+        raise ConfigError(
+            "model.name", cfg.model.name,
+            f"needs {exc.args[0]!r} from the data, which data.source={cfg.data.source} does not describe; "
+            "choose a model for this data (or another data.options.representation)",
+        ) from None
 
 
 def build_scheme(cfg: Config) -> aggregation.AggregationScheme:

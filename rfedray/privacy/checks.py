@@ -34,6 +34,10 @@ class PrivacyParameterError(RfedrayError, ValueError):
         self.allowed = allowed
         super().__init__(f"{name}={value!r}: {allowed}")
 
+    def __reduce__(self):
+        # Picklable with its three arguments, so it crosses process (Ray) boundaries intact.
+        return (type(self), (self.name, self.value, self.allowed))
+
 
 def real_number(name: str, value: Any) -> float:
     """``value`` as a float, checked to be a real number (not NaN)."""

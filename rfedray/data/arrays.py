@@ -1,0 +1,361 @@
+"""A federation from your own arrays: every client's records in one ``.npz`` file.
+
+Write the file with :func:`numpy.savez` (``data.options.path``), for clients ``i = 0 .. n-1``
+(``n = federation.n_clients``):
+
+==========  ====================  ==========================================================
+key         shape                 content
+==========  ====================  ==========================================================
+``x_<i>``   ``(m_i, *record)``    client i's training records, real numbers
+``y_<i>``   ``(m_i,)``            their labels (``classification``: integers in [0, K)) or
+                                  targets (``regression``); absent for ``pca``
+``x_test``  ``(n_test, *record)`` the server's held-out evaluation records (never trained on)
+``y_test``  ``(n_test,)``         their labels or targets; absent for ``pca``
+==========  ====================  ==========================================================
+
+``record`` is ``(d,)`` for ``representation: vector`` (models ``fedpca``, ``logreg``, ``mlp``),
+``(C, C)`` symmetric positive definite matrices for ``covariance`` (``spdnet``) and ``(C, T)``
+for ``raw`` (``eegnet``). ``task: pca`` evaluates the model on the covariance ``mean(z z^T)`` of
+``x_test``; the other tasks on ``(x_test, y_test)``.
+
+The whole file is checked when the source is built, before anything trains: it must be a
+readable ``.npz`` without pickled objects, hold exactly the federation's clients, and every array
+must have the layout above and a real numeric dtype; every record must be finite (covariances
+also symmetric positive definite) and every label an integer in ``[0, num_classes)``. The first
+problem raises a :class:`~rfedray.config.ConfigError` naming ``data.options.path``, the array,
+the record and what to do. Each process that hosts clients (a Ray client actor) reads the file
+itself, so the path must be readable there too.
+"""
+
+from __future__ import annotations
+
+import re
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from rfedray.config import ConfigError
+from rfedray.data.validation import first_nonfinite, spd_problem
+from rfedray.task import ClientData, EvalData
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+KEY = re.compile(r"^(x|y)_(\d+|test)$")
+
+
+class VectorRecords:
+    """Records are vectors ``(d,)``."""
+
+    ndim = 1
+    layout = "(m, d)"
+
+    @staticmethod
+    def info(shape: tuple[int, ...]) -> dict[str, Any]:
+        return {"d": shape[0], "num_features": shape[0], "record_shape": shape}
+
+    @staticmethod
+    def problem(x: np.ndarray) -> Optional[str]:
+        return None
+
+
+class CovarianceRecords:
+    """Records are symmetric positive definite matrices ``(C, C)`` (SPDNet's input)."""
+
+    ndim = 2
+    layout = "(m, C, C)"
+
+    @staticmethod
+    def info(shape: tuple[int, ...]) -> dict[str, Any]:
+        return {"channels": shape[0], "representation": "covariance", "record_shape": shape}
+
+    @staticmethod
+    def problem(x: np.ndarray) -> Optional[str]:
+        return spd_problem(x)
+
+
+class RawRecords:
+    """Records are multichannel signals ``(C, T)`` (EEGNet's input)."""
+
+    ndim = 2
+    layout = "(m, C, T)"
+
+    @staticmethod
+    def info(shape: tuple[int, ...]) -> dict[str, Any]:
+        return {"channels": shape[0], "n_times": shape[1], "representation": "raw", "record_shape": shape}
+
+    @staticmethod
+    def problem(x: np.ndarray) -> Optional[str]:
+        return None
+
+
+REPRESENTATIONS = {"vector": VectorRecords, "covariance": CovarianceRecords, "raw": RawRecords}
+
+
+class PCATask:
+    """Unlabelled records; the server evaluates on the covariance of ``x_test``."""
+
+    labelled = False
+    representations = ("vector",)
+
+    @staticmethod
+    def info(options: "Options", shape: tuple[int, ...], labels: list[np.ndarray]) -> dict[str, Any]:
+        if not 1 <= options.p < shape[0]:
+            raise ConfigError("data.options.p", options.p, f"must be between 1 and d-1 ({shape[0] - 1})")
+        return {"p": options.p}
+
+    @staticmethod
+    def check_labels(y: np.ndarray, info: dict[str, Any]) -> Optional[str]:
+        return None
+
+    @staticmethod
+    def target(y: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_tensor(y, dtype=dtype)
+
+    @staticmethod
+    def eval_tensors(x: torch.Tensor, y: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        x64 = x.to(torch.float64)
+        return (x64.T @ x64 / x64.shape[0],)
+
+
+class ClassificationTask:
+    """Integer labels in ``[0, num_classes)``."""
+
+    labelled = True
+    representations = tuple(REPRESENTATIONS)
+
+    @staticmethod
+    def info(options: "Options", shape: tuple[int, ...], labels: list[np.ndarray]) -> dict[str, Any]:
+        """``num_classes``: the option, else 1 + the largest integer label (at least 2)."""
+        if options.num_classes is not None:
+            return {"num_classes": options.num_classes}
+        largest = max((int(y.max()) for y in labels if y.dtype.kind in "iu" and y.size), default=1)
+        return {"num_classes": max(2, largest + 1)}
+
+    @staticmethod
+    def check_labels(y: np.ndarray, info: dict[str, Any]) -> Optional[str]:
+        if y.dtype.kind not in "iu":
+            return f"has dtype {y.dtype}; class labels must be integers"
+        num_classes = info["num_classes"]
+        bad = np.flatnonzero((y < 0) | (y >= num_classes))
+        if bad.size:
+            i = int(bad[0])
+            return f"record {i} has label {int(y[i])}, outside [0, {num_classes}) (data.options.num_classes={num_classes})"
+        return None
+
+    @staticmethod
+    def target(y: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_tensor(y, dtype=torch.int64)
+
+    @staticmethod
+    def eval_tensors(x: torch.Tensor, y: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return (x, y)
+
+
+class RegressionTask:
+    """Real, finite targets."""
+
+    labelled = True
+    representations = ("vector",)
+
+    @staticmethod
+    def info(options: "Options", shape: tuple[int, ...], labels: list[np.ndarray]) -> dict[str, Any]:
+        return {}
+
+    @staticmethod
+    def check_labels(y: np.ndarray, info: dict[str, Any]) -> Optional[str]:
+        if y.dtype.kind not in "fiu":
+            return f"has dtype {y.dtype}; regression targets must be real numbers"
+        return first_nonfinite(y.reshape(-1, 1))
+
+    @staticmethod
+    def target(y: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_tensor(y, dtype=dtype)
+
+    @staticmethod
+    def eval_tensors(x: torch.Tensor, y: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return (x, y)
+
+
+TASKS = {"pca": PCATask, "classification": ClassificationTask, "regression": RegressionTask}
+
+
+@dataclass
+class Options:
+    """Schema of ``data.options`` for ``data.source: arrays``.
+
+    Attributes
+    ----------
+    path : str
+        The ``.npz`` file (see the module docstring for its layout).
+    task : str
+        ``pca``, ``classification`` or ``regression``.
+    representation : str
+        ``vector``, ``covariance`` or ``raw``: what one record is.
+    num_classes : int or None
+        Classification only: ``K``; ``None`` takes 1 + the largest label in the file.
+    p : int
+        PCA only: the subspace dimension ``fedpca`` estimates unless ``model.options.p`` is set.
+    dtype : str
+        ``float32`` or ``float64``: the records' dtype in training.
+    """
+
+    path: str = ""
+    task: str = "pca"
+    representation: str = "vector"
+    num_classes: Optional[int] = None
+    p: int = 1
+    dtype: str = "float32"
+
+    def validate(self, prefix: str) -> None:
+        if not self.path:
+            raise ConfigError(f"{prefix}.path", self.path, "give the .npz file of the clients' arrays")
+        if not Path(self.path).expanduser().is_file():
+            raise ConfigError(f"{prefix}.path", self.path, "no such file; give the .npz file of the clients' arrays")
+        if self.task not in TASKS:
+            raise ConfigError(f"{prefix}.task", self.task, "must be one of " + ", ".join(TASKS))
+        if self.representation not in TASKS[self.task].representations:
+            raise ConfigError(f"{prefix}.representation", self.representation,
+                              f"task {self.task} takes " + ", ".join(TASKS[self.task].representations))
+        if self.num_classes is not None and self.num_classes < 2:
+            raise ConfigError(f"{prefix}.num_classes", self.num_classes, "must be null (from the labels) or an integer >= 2")
+        if self.p < 1:
+            raise ConfigError(f"{prefix}.p", self.p, "must be an integer >= 1")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
+
+
+class ArraysFederation:
+    """The clients of an ``.npz`` file (implements :class:`rfedray.task.FederatedDataset`).
+
+    Parameters
+    ----------
+    options : Options
+    n_clients : int
+        The file must hold exactly this many clients.
+
+    Raises
+    ------
+    ConfigError
+        For the first problem of the file (see the module docstring).
+    """
+
+    def __init__(self, options: Options, *, n_clients: int):
+        options.validate("data.options")
+        self.options = options
+        self.num_clients = n_clients
+        self.path = str(Path(options.path).expanduser())
+        self.task = TASKS[options.task]
+        self.records = REPRESENTATIONS[options.representation]
+        self.dtype = DTYPES[options.dtype]
+        self._x, self._y, self.info = self._check(self._read())
+
+    def _fail(self, problem: str) -> ConfigError:
+        return ConfigError("data.options.path", self.path, problem)
+
+    def _read(self) -> dict[str, np.ndarray]:
+        """Every array of the file, refusing anything that is not a plain ``.npz`` of numbers."""
+        try:
+            archive = np.load(self.path, allow_pickle=False)
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+            raise self._fail(f"not a readable .npz file ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                             "write it with numpy.savez(path, x_0=..., x_1=..., x_test=...)") from None
+        if not isinstance(archive, np.lib.npyio.NpzFile):
+            raise self._fail("holds a single array; write every client's arrays with numpy.savez(path, x_0=..., x_1=..., x_test=...)")
+        arrays = {}
+        with archive:
+            for key in archive.files:
+                if not KEY.match(key):
+                    raise self._fail(f"unexpected array {key!r}; the file holds x_<i> and y_<i> per client i, x_test and y_test")
+                try:
+                    arrays[key] = archive[key]
+                except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+                    raise self._fail(f"array {key!r} cannot be read ({type(exc).__name__}); "
+                                     "store plain numeric arrays (no Python objects)") from None
+        return arrays
+
+    def _check(self, arrays: dict[str, np.ndarray]) -> tuple[dict, dict, dict[str, Any]]:
+        """Records and labels of every client and of the test set, and the data's ``info``."""
+        clients = sorted({int(m.group(2)) for key in arrays if (m := KEY.match(key)) and m.group(2) != "test"})
+        held = len(clients)
+        if clients != list(range(held)) or held != self.num_clients:
+            raise ConfigError(
+                "federation.n_clients", self.num_clients,
+                f"{self.path} holds clients {clients} (arrays x_<i>); it must hold exactly x_0 .. "
+                f"x_{self.num_clients - 1}: set federation.n_clients={held} or rewrite the file",
+            )
+        names: list[Any] = [*range(held), "test"]
+        xs: dict[Any, np.ndarray] = {}
+        for name in names:
+            xs[name] = self._check_records(arrays, name, xs.get(0))
+        shape = tuple(int(s) for s in xs[0].shape[1:])
+        labels = [arrays[f"y_{name}"] for name in names if f"y_{name}" in arrays]
+        info = {"task": self.options.task, "dataset": "arrays", "dtype": self.options.dtype,
+                **self.records.info(shape), **self.task.info(self.options, shape, labels)}
+        ys = {name: self._check_labels(arrays, name, xs[name].shape[0], info) for name in names}
+        return xs, ys, info
+
+    def _check_records(self, arrays: dict[str, np.ndarray], name: Any, first: Optional[np.ndarray]) -> np.ndarray:
+        key = f"x_{name}"
+        where = f"client {name}" if name != "test" else "the server's evaluation set"
+        if key not in arrays:
+            raise self._fail(f"has no array {key!r} ({where}'s records)")
+        x = arrays[key]
+        if x.dtype.kind not in "fiu":
+            raise self._fail(f"{key} has dtype {x.dtype}; records must be real numbers (float or integer arrays)")
+        expected = self.records.layout
+        if x.ndim != 1 + self.records.ndim:
+            raise self._fail(f"{key} has shape {x.shape}; data.options.representation={self.options.representation} expects {expected}")
+        if x.shape[0] == 0:
+            raise self._fail(f"{key} has no records: every client needs at least federation.batch_size records "
+                             "(drop the client from the file and lower federation.n_clients)")
+        if first is not None and x.shape[1:] != first.shape[1:]:
+            raise self._fail(f"{key} holds records of shape {x.shape[1:]}, x_0 of shape {first.shape[1:]}: "
+                             "every record of every client must have the same shape")
+        problem = first_nonfinite(x) or self.records.problem(x)
+        if problem is not None:
+            raise self._fail(f"{key} ({where}): {problem}; repair or remove that record")
+        return x
+
+    def _check_labels(self, arrays: dict[str, np.ndarray], name: Any, m: int, info: dict[str, Any]) -> Optional[np.ndarray]:
+        key = f"y_{name}"
+        if not self.task.labelled:
+            if key in arrays:
+                raise self._fail(f"holds {key}, but data.options.task={self.options.task} takes no labels: "
+                                 "remove the y_ arrays or set data.options.task")
+            return None
+        if key not in arrays:
+            raise self._fail(f"has no array {key!r}; data.options.task={self.options.task} needs one label per record")
+        y = arrays[key]
+        if y.shape != (m,):
+            raise self._fail(f"{key} has shape {y.shape}; expected ({m},), one label per record of x_{name}")
+        problem = self.task.check_labels(y, info)
+        if problem is not None:
+            raise self._fail(f"{key}: {problem}; fix the labels or data.options.num_classes")
+        return y
+
+    def client_sizes(self) -> list[int]:
+        return [int(self._x[i].shape[0]) for i in range(self.num_clients)]
+
+    def _tensors(self, name: Any) -> tuple[torch.Tensor, ...]:
+        x = torch.as_tensor(self._x[name], dtype=self.dtype)
+        if self._y[name] is None:
+            return (x,)
+        return (x, self.task.target(self._y[name], self.dtype))
+
+    def client_data(self, client_id: int) -> ClientData:
+        if not 0 <= client_id < self.num_clients:
+            raise ValueError(f"client_id={client_id}: must be in [0, {self.num_clients - 1}]")
+        return ClientData(train=self._tensors(client_id))
+
+    def eval_data(self) -> EvalData:
+        """The held-out ``x_test`` (and ``y_test``), never any client's training records."""
+        tensors = self._tensors("test")
+        return EvalData(tensors=self.task.eval_tensors(tensors[0], tensors[1] if len(tensors) > 1 else None))
+
+
+def build(options: Options, *, n_clients: int, seed: int) -> ArraysFederation:
+    """The federation of ``options.path`` (``seed`` is unused: the file fixes the partition)."""
+    return ArraysFederation(options, n_clients=n_clients)

@@ -1,0 +1,168 @@
+"""The Ray engine against the local engine: same model and epsilon, placement, sticky clients, halting.
+
+One Ray instance (2 CPUs) serves the whole module; the engine uses it instead of starting its own.
+"""
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from actors.accountant_actor import RemoteLedger, start_accountant
+from actors.client_actor import assign_clients, check_capacity
+from actors.driver import check_ray_config, ray_executor
+from rfedray.config import ConfigError, load_config
+from rfedray.errors import RfedrayError
+from rfedray.federated.client import LocalResult
+from rfedray.federated.loop import Federation, accounting_fingerprint, run_federation
+from rfedray.federated.rundir import RunDirectory
+from rfedray.federated.server import cohort
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SMALL = [
+    "run.rounds=6", "federation.n_clients=6", "federation.clients_per_round=3",
+    "federation.local_steps=3", "federation.batch_size=40", "data.options.d=12",
+    "data.options.p=2", "data.options.records_per_client=300", "privacy.noise_seed=7",
+    "privacy.sigma=0.5", "privacy.epsilon=null", "privacy.accountant=clt", "monitoring.progress=false",
+]
+
+
+def small_cfg(tmp_path, *overrides):
+    return load_config(None, [*SMALL, f"run.output_dir={tmp_path}", *overrides])
+
+
+def run_engine(tmp_path, name, *overrides, engine="ray", observers=None):
+    """Run SMALL on an engine; return the summary, the final model and the run directory."""
+    cfg = small_cfg(tmp_path, f"run.engine={engine}", *overrides)
+    rd = RunDirectory.create(str(tmp_path), name)
+    factory = ray_executor if engine == "ray" else None
+    summary = run_federation(cfg, rd, observers=observers, executor_factory=factory)
+    return summary, torch.load(rd.final_model), rd
+
+
+def start_test_ray(**kwargs):
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,
+             log_to_driver=False, logging_level=logging.WARNING, **kwargs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    start_test_ray()
+    yield
+    ray.shutdown()
+
+
+def test_same_model_and_epsilon_as_local_engine(tmp_path):
+    """Bitwise: each client computes the same float operations in its actor (1 torch thread there,
+    2 here; these small ops are single-threaded either way), and aggregation runs in the driver."""
+    overrides = ["privacy.accountant=exact", "run.rounds=4"]
+    local, theta_local, rd_local = run_engine(tmp_path, "local", *overrides, engine="local")
+    remote, theta_ray, rd_ray = run_engine(tmp_path, "ray", *overrides)
+    assert all(torch.equal(theta_local[k], theta_ray[k]) for k in theta_local)
+    assert remote["epsilon_spent"] == local["epsilon_spent"] > 0
+    assert remote["engine"] == "ray" and remote["client_failures"] == 0
+    keep = ("round", "answered", "failed", "epsilon_spent", "metric_gap")
+    def rounds(rd):
+        return [{k: r[k] for k in keep} for r in rd.read_metrics()]
+
+    assert rounds(rd_ray) == rounds(rd_local)
+    budget = json.loads(rd_ray.budget.read_text())
+    assert sum(budget["ledger"]["participations"]) == 4 * 3
+
+
+def test_clients_are_sticky_and_built_inside_the_actors(tmp_path):
+    cfg = small_cfg(tmp_path, "run.engine=ray", "ray.clients_per_actor=3")
+    fed = Federation.prepare(cfg, RunDirectory.create(str(tmp_path), "sticky"))
+
+    def no_records_in_the_driver(client_id):
+        raise AssertionError("the driver loaded client records")
+
+    fed.dataset.client_data = no_records_in_the_driver
+    executor = ray_executor(fed)
+    try:
+        before = executor.describe()
+        theta = fed.model.init_params(torch.Generator().manual_seed(0))
+        answer = ray.get(executor.pool.actors[1].train.remote([3, 5], theta, 0, {}))
+        summary = fed.run(executor)
+        after = executor.describe()
+    finally:
+        executor.close()
+    assert [a["clients"] for a in before] == [[0, 1, 2], [3, 4, 5]]
+    assert [(a["pid"], a["clients"]) for a in after] == [(a["pid"], a["clients"]) for a in before]
+    assert all(a["device"] == "cpu" and a["threads"] == 1 for a in before)
+    assert summary["client_failures"] == 0 and summary["rounds_completed"] == 6
+    assert set(answer) == {3, 5} and all(isinstance(r, LocalResult) for r in answer.values())
+    assert all(set(r.submission) == set(theta) and r.submission["subspace"].shape == theta["subspace"].shape
+               for r in answer.values())
+
+
+def test_accountant_actor_halts_at_the_target_in_a_placement_group(tmp_path):
+    cfg = small_cfg(tmp_path)
+    ledger = Federation.prepare(cfg, RunDirectory.create(str(tmp_path), "ledger")).make_ledger()
+    per_round = [ledger.authorize(cohort(0, t, 6, 3)).epsilon_after for t in range(5)]
+    last = next(t for t in range(2, 5) if per_round[t - 1] < per_round[t])  # the first round refused
+    target = (per_round[last - 1] + per_round[last]) / 2
+    summary, _, rd = run_engine(tmp_path, "halted", "run.rounds=5", f"privacy.epsilon={target}", "ray.placement=PACK")
+    assert summary["halted"] and summary["rounds_completed"] == last
+    assert "would reach epsilon" in summary["halt_reason"] and "epsilon_target" in summary["halt_reason"]
+    assert json.loads(rd.summary.read_text())["halted"] is True
+    assert summary["epsilon_spent"] == per_round[last - 1] <= target
+    assert sum(json.loads(rd.budget.read_text())["ledger"]["participations"]) == last * 3
+
+
+def test_remote_ledger_raises_the_accountants_errors_as_one_line(tmp_path):
+    cfg = small_cfg(tmp_path)
+    rd = RunDirectory.create(str(tmp_path), "remote-ledger")
+    fed = Federation.prepare(cfg, rd)
+    actor = start_accountant(fed.make_ledger(), accounting_fingerprint(cfg, fed.privacy, fed.sizes), rd.budget)
+    ledger = RemoteLedger(actor)
+    try:
+        with pytest.raises(RfedrayError, match="^format='something else': must be"):
+            ledger.load_state_dict({"format": "something else"})
+        assert ledger.authorize([0, 1]).granted and ledger.state_dict()["participations"][:3] == [1, 1, 0]
+    finally:
+        ray.kill(actor)
+
+
+def test_ray_settings_checked_before_start():
+    cfg = load_config(None, ["ray.device=cuda"])
+    with pytest.raises(ConfigError, match="ray.device"):
+        check_ray_config(cfg)
+    with pytest.raises(ConfigError, match="ray.num_client_actors"):
+        assign_clients(4, load_config(None, ["ray.num_client_actors=5"]), 2)
+    with pytest.raises(ConfigError, match="ray.num_client_actors"):
+        assign_clients(10, load_config(None, ["ray.clients_per_actor=3", "ray.num_client_actors=2"]), 2)
+    assert assign_clients(10, load_config(None, ["ray.clients_per_actor=4"]), 2) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert assign_clients(5, load_config(None, []), 2) == [[0, 1, 2], [3, 4]]
+    assert assign_clients(5, load_config(None, ["ray.num_cpus_per_actor=0.5"]), 2) == [[0, 1], [2], [3], [4]]
+    with pytest.raises(ConfigError, match="ray.num_gpus_per_actor"):
+        check_capacity(load_config(None, ["ray.num_gpus_per_actor=0.25"]), 2, {"CPU": 2.0})
+    with pytest.raises(ConfigError, match="ray.num_cpus_per_actor"):
+        check_capacity(load_config(None, ["ray.num_cpus_per_actor=1.5"]), 2, {"CPU": 2.0})
+    check_capacity(load_config(None, ["ray.num_gpus_per_actor=0.125"]), 8, {"CPU": 16.0, "GPU": 1.0})
+
+
+@pytest.mark.parametrize("where", ["config", "environment"])
+def test_unreachable_address_is_one_clear_line(tmp_path, where):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    extra, label = [f"ray.address={address}"], "ray.address"
+    if where == "environment":
+        env["RAY_ADDRESS"], extra, label = address, [], "ray.address (from RAY_ADDRESS)"
+    out = subprocess.run(
+        [sys.executable, "-m", "rfedray.cli", "run", *SMALL, f"run.output_dir={tmp_path}", *extra, "--engine", "ray"],
+        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith(f"error: {label}='{address}': no Ray cluster reachable there")
+    assert "Traceback" not in out.stderr
