@@ -15,14 +15,6 @@ F64 = torch.float64
 ALL = list(SCHEMES.values())
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small-matrix linear algebra is faster on one thread, and much faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def product(retraction: str = "polar") -> ProductManifold:
     return ProductManifold(

@@ -18,14 +18,6 @@ from rfedray.data.eeg import DATASETS, DatasetUnavailableError, group_subjects, 
 from rfedray.models import spdnet
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors: one intra-op thread is faster, and immune to oversubscribed shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 SHARED_EEG = DATASETS["PhysionetMI"].default_path
 

@@ -13,14 +13,6 @@ from rfedray.models.eegnet import EEGNet, EEGNetModule, same_padding
 from rfedray.task import EvalData
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors: one intra-op thread is faster, and immune to oversubscribed shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def info(channels, n_times, classes, dtype="float64"):
     return {"channels": channels, "n_times": n_times, "num_classes": classes, "dtype": dtype, "representation": "raw"}

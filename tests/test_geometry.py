@@ -28,14 +28,6 @@ TOL = 1e-10
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small-matrix linear algebra is faster on one thread, and much faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @st.composite
 def manifolds(draw, curved_only: bool = False) -> Manifold:

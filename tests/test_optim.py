@@ -37,14 +37,6 @@ BUILDERS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small-matrix linear algebra is faster on one thread, and much faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def private_gradient(m, x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """A noisy tangent gradient, as the private step produces."""

@@ -14,14 +14,6 @@ from rfedray.models.spdnet import SPDNet, bimap, bimap_dims, vech
 from rfedray.task import EvalData
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors: one intra-op thread is faster, and immune to oversubscribed shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def random_spd(n, count, generator, dtype=torch.float64, floor=1e-3):
     a = torch.randn(count, n, 3 * n, generator=generator, dtype=torch.float64)

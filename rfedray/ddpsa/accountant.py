@@ -31,12 +31,11 @@ project's :class:`~rfedray.privacy.accountants.PrivacyLedger` and
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 
 import numpy as np
 
 from rfedray.privacy import checks
-from rfedray.privacy.accountants import Accountant, StepMechanism
+from rfedray.privacy.accountants import PLDAccountant
 from rfedray.privacy.pld import DiscretePLD
 
 
@@ -84,7 +83,7 @@ def subsampled_laplace_pld(ratio: float, sampling_rate: float, discretization: f
     return DiscretePLD(h, -cells, probs, 0.0)
 
 
-class LaplaceAccountant(Accountant):
+class LaplaceAccountant(PLDAccountant):
     """Exact (discretised) composition of subsampled Laplace steps.
 
     ``sigma`` is the Laplace scale ``b`` of the clipped mean and ``clip`` its L1 clip, so that
@@ -97,27 +96,7 @@ class LaplaceAccountant(Accountant):
     """
 
     name = "laplace"
-    _CACHE_SIZE = 8
-
-    def __init__(self, discretization: float = 1e-4):
-        self.discretization = checks.positive("discretization", discretization)
-        self._plds: OrderedDict[tuple[float, float], DiscretePLD] = OrderedDict()
-
-    def step_pld(self, step: StepMechanism) -> DiscretePLD:
-        key = (step.mu, step.sampling_rate)
-        if key in self._plds:
-            self._plds.move_to_end(key)
-        else:
-            self._plds[key] = subsampled_laplace_pld(step.mu, step.sampling_rate, self.discretization)
-            if len(self._plds) > self._CACHE_SIZE:
-                self._plds.popitem(last=False)
-        return self._plds[key]
-
-    def _epsilon(self, step: StepMechanism, rounds: int, local_steps: int, delta: float) -> float:
-        return self.step_pld(step).self_compose(rounds * local_steps).epsilon(delta)
-
-    def config(self) -> dict:
-        return {"name": self.name, "discretization": self.discretization}
+    build_step_pld = staticmethod(subsampled_laplace_pld)
 
 
 def ledger_scale(ratio: float, batch_size: int) -> float:

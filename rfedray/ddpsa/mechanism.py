@@ -172,7 +172,9 @@ class PrivateQuantileClip(ClipPolicy):
         fractions = {}
         for l, v in norms.items():
             count = float((v <= clips[l]).sum()) + float(laplace_noise((), self.count_scale, generator, torch.float64))
-            fractions[l] = count / v.shape[0]
+            # Clamping the released fraction to [0, 1] is post-processing (free) and bounds each
+            # round's multiplicative change, so heavy count noise cannot make the thresholds diverge.
+            fractions[l] = min(1.0, max(0.0, count / v.shape[0]))
             state["clips"][l] = clips[l] * math.exp(-self.learning_rate * (fractions[l] - self.target_quantile))
         return {"noisy_fraction_below": fractions}
 

@@ -118,15 +118,17 @@ class Accountant(ABC):
         return {"name": self.name}
 
 
-class ExactAccountant(Accountant):
-    """The symmetrised composition of ``C_q(G_mu0)`` over ``rounds * local_steps`` steps.
+class PLDAccountant(Accountant):
+    """Exact (discretised) composition of identical subsampled steps through their PLD.
+
+    Subclasses say which step: :meth:`build_step_pld` returns the PLD of one step of
+    sensitivity-to-noise ratio ``mu`` at sampling rate ``q`` on a grid of step ``discretization``.
 
     Parameters
     ----------
     discretization : float
         Grid step of the privacy losses, > 0. The error on epsilon is of second order in it and
-        always an over-estimate: at 1e-4 it is below 5e-5 on the paper's 2,000-step transcripts
-        (epsilon 0.5 to 10).
+        always an over-estimate.
 
     Notes
     -----
@@ -135,12 +137,15 @@ class ExactAccountant(Accountant):
     (see :mod:`rfedray.privacy.pld`).
     """
 
-    name = "exact"
     _CACHE_SIZE = 8
 
     def __init__(self, discretization: float = 1e-4):
         self.discretization = checks.positive("discretization", discretization)
         self._plds: OrderedDict[tuple[float, float], DiscretePLD] = OrderedDict()
+
+    @staticmethod
+    def build_step_pld(mu: float, sampling_rate: float, discretization: float) -> DiscretePLD:
+        raise NotImplementedError
 
     def step_pld(self, step: StepMechanism) -> DiscretePLD:
         """The discretised PLD of one step (cached per ``(mu0, q)``)."""
@@ -148,7 +153,7 @@ class ExactAccountant(Accountant):
         if key in self._plds:
             self._plds.move_to_end(key)
         else:
-            self._plds[key] = subsampled_gaussian_pld(step.mu, step.sampling_rate, self.discretization)
+            self._plds[key] = self.build_step_pld(step.mu, step.sampling_rate, self.discretization)
             if len(self._plds) > self._CACHE_SIZE:
                 self._plds.popitem(last=False)
         return self._plds[key]
@@ -158,6 +163,17 @@ class ExactAccountant(Accountant):
 
     def config(self) -> dict:
         return {"name": self.name, "discretization": self.discretization}
+
+
+class ExactAccountant(PLDAccountant):
+    """The symmetrised composition of ``C_q(G_mu0)`` over ``rounds * local_steps`` steps.
+
+    At the default discretization 1e-4 the over-estimate of epsilon is below 5e-5 on the paper's
+    2,000-step transcripts (epsilon 0.5 to 10).
+    """
+
+    name = "exact"
+    build_step_pld = staticmethod(subsampled_gaussian_pld)
 
 
 class CLTAccountant(Accountant):

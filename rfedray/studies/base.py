@@ -120,6 +120,12 @@ def run_many(jobs: Sequence[list[str]], output_dir: Path, workers: Optional[int]
         return list(pool.map(_run_one, args))
 
 
+def run_grid(jobs: dict, output_dir: Path, workers: Optional[int] = None) -> dict:
+    """:func:`run_many` over a mapping ``key -> overrides``; returns ``key -> summary``."""
+    keys = list(jobs)
+    return dict(zip(keys, run_many([jobs[k] for k in keys], output_dir, workers)))
+
+
 def _single_thread() -> None:
     import torch
 

@@ -12,7 +12,7 @@ from rfedray.studies.base import SCALES
 
 
 def _parse(items: list[str]) -> dict[str, str]:
-    options = {"scale": "full", "out": "", "workers": ""}
+    options = {"scale": "full", "out": "", "workers": "", "seeds": ""}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in options:
@@ -20,8 +20,9 @@ def _parse(items: list[str]) -> dict[str, str]:
         options[key] = value
     if options["scale"] not in SCALES:
         raise RfedrayError(f"scale={options['scale']!r}: must be one of " + ", ".join(SCALES))
-    if options["workers"] and (not options["workers"].isdigit() or int(options["workers"]) < 1):
-        raise RfedrayError(f"workers={options['workers']!r}: must be an integer >= 1")
+    for key in ("workers", "seeds"):
+        if options[key] and (not options[key].isdigit() or int(options[key]) < 1):
+            raise RfedrayError(f"{key}={options[key]!r}: must be an integer >= 1")
     return options
 
 
@@ -38,7 +39,10 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     study = get_study(args.name)
     out = Path(options["out"] or f"experiments/{args.name}-{options['scale']}-{time.strftime('%Y%m%d-%H%M%S')}")
     workers = int(options["workers"]) if options["workers"] else None
-    report = study.run(out, options["scale"], workers=workers)
+    extra = {"seeds": int(options["seeds"])} if options["seeds"] else {}
+    if extra and not getattr(study, "accepts_seeds", False):
+        raise RfedrayError(f"seeds=: study {args.name!r} has no seeds to choose")
+    report = study.run(out, options["scale"], workers=workers, **extra)
     print(report)
     return 0
 
@@ -49,6 +53,6 @@ def register(subparsers) -> None:
         description="Run a named study over seeds and write results.csv/json, PNG figures and report.md.",
     )
     parser.add_argument("name", nargs="?", help="study name (see --list)")
-    parser.add_argument("items", nargs="*", metavar="key=value", help="scale=tiny|full, out=DIR, workers=N")
+    parser.add_argument("items", nargs="*", metavar="key=value", help="scale=tiny|full, out=DIR, workers=N, seeds=N (fewer seeds than the paper's 10, for a quick look)")
     parser.add_argument("--list", action="store_true", help="list the studies with their expected run time")
     parser.set_defaults(func=cmd_experiment)

@@ -10,13 +10,13 @@ gives the difference of the medians, and the paper's predicted term ``eta sigma^
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
 from rfedray.privacy.paper import PAPER_CLIP as FITTED_CLIP
 from rfedray.studies import paper
-from rfedray.studies.base import Row, Table, fmt_median, median_iqr, run_many, write_outputs
+from rfedray.studies.base import Row, Table, fmt_median, median_iqr, run_grid, write_outputs
 
 
 @dataclass(frozen=True)
@@ -82,18 +82,18 @@ class FedPCADimension:
     description = "Table 9 / Figure 2(a,b): cost of privacy vs intrinsic (p(d-p)) and ambient dimension"
     laptop_minutes = {"tiny": 1, "full": 400}
 
-    def run(self, out: Path, scale: str, workers=None) -> Path:
-        sc = SCALES[scale]
+    accepts_seeds = True
+
+    def run(self, out: Path, scale: str, workers=None, seeds=None) -> Path:
+        sc = replace(SCALES[scale], seeds=seeds or SCALES[scale].seeds)
         settings = [(row[1], row[2]) for row in paper.TABLE9]
         settings = list(dict.fromkeys(settings))
-        jobs, keys = [], []
-        for d, p in settings:
-            for scheme in ("projavg", "rlavg"):
-                for private in (True, False):
-                    for seed in range(sc.seeds):
-                        jobs.append(base_overrides(sc, seed, d, p) + [f"aggregation.scheme={scheme}", f"privacy.enabled={private}", "privacy.epsilon=1"])
-                        keys.append((d, p, scheme, private, seed))
-        summaries = dict(zip(keys, run_many(jobs, out / "runs", workers)))
+        jobs = {
+            (d, p, scheme, private, seed): base_overrides(sc, seed, d, p)
+            + [f"aggregation.scheme={scheme}", f"privacy.enabled={private}", "privacy.epsilon=1"]
+            for d, p in settings for scheme in ("projavg", "rlavg") for private in (True, False) for seed in range(sc.seeds)
+        }
+        summaries = run_grid(jobs, out / "runs", workers)
         rows, fig_series = [], {"ProjAvg": [], "RLAvg": []}
         sigma_by_setting = {}
         for panel, d, p, d_m, ambient, k, predicted, paper_proj, paper_rl in paper.TABLE9:
@@ -129,17 +129,18 @@ class FedPCAParticipation:
     description = "Figure 2(c): optimality gap vs clients per round k (epsilon = 1)"
     laptop_minutes = {"tiny": 1, "full": 200}
 
-    def run(self, out: Path, scale: str, workers=None) -> Path:
-        sc = SCALES[scale]
+    accepts_seeds = True
+
+    def run(self, out: Path, scale: str, workers=None, seeds=None) -> Path:
+        sc = replace(SCALES[scale], seeds=seeds or SCALES[scale].seeds)
         ks = sorted({max(1, sc.n // 10), max(1, sc.n // 5), max(1, sc.n // 2), sc.n})
-        jobs, keys = [], []
-        for k in ks:
-            for scheme in ("projavg", "rlavg"):
-                for seed in range(sc.seeds):
-                    jobs.append(base_overrides(sc, seed, 40 if scale == "full" else 10, 4 if scale == "full" else 2)
-                                + [f"federation.clients_per_round={k}", f"aggregation.scheme={scheme}", "privacy.epsilon=1"])
-                    keys.append((k, scheme, seed))
-        summaries = dict(zip(keys, run_many(jobs, out / "runs", workers)))
+        d, p = (40, 4) if scale == "full" else (10, 2)
+        jobs = {
+            (k, scheme, seed): base_overrides(sc, seed, d, p)
+            + [f"federation.clients_per_round={k}", f"aggregation.scheme={scheme}", "privacy.epsilon=1"]
+            for k in ks for scheme in ("projavg", "rlavg") for seed in range(sc.seeds)
+        }
+        summaries = run_grid(jobs, out / "runs", workers)
         rows, series = [], {"ProjAvg": [], "RLAvg": []}
         for k in ks:
             ours = {}
@@ -162,22 +163,21 @@ class FedPCAAccounting:
     description = "Table 10 / Figure 2(d): ProjAvg, RLAvg, RetAvg (ours) vs PriRFed at epsilon 0.5..10"
     laptop_minutes = {"tiny": 2, "full": 500}
 
-    def run(self, out: Path, scale: str, workers=None) -> Path:
-        sc = SCALES[scale]
+    accepts_seeds = True
+
+    def run(self, out: Path, scale: str, workers=None, seeds=None) -> Path:
+        sc = replace(SCALES[scale], seeds=seeds or SCALES[scale].seeds)
         d, p = (40, 4) if scale == "full" else (10, 2)
         arms = [("projavg", "exact", None), ("rlavg", "exact", None), ("retavg", "exact", None), ("retavg", "prirfed", "paper")]
         epsilons = paper.EPSILONS if scale == "full" else (1, 10)
-        jobs, keys = [], []
-        for eps in epsilons:
-            for scheme, accountant, lr in arms:
-                eta = paper.TABLE10[eps][5] if lr == "paper" else 0.2
-                for seed in range(sc.seeds):
-                    jobs.append(base_overrides(sc, seed, d, p) + [
-                        f"aggregation.scheme={scheme}", f"privacy.accountant={accountant}", f"privacy.epsilon={eps}",
-                        f"optim.default.lr={eta}",
-                    ])
-                    keys.append((eps, scheme, accountant, seed))
-        summaries = dict(zip(keys, run_many(jobs, out / "runs", workers)))
+        jobs = {
+            (eps, scheme, accountant, seed): base_overrides(sc, seed, d, p) + [
+                f"aggregation.scheme={scheme}", f"privacy.accountant={accountant}", f"privacy.epsilon={eps}",
+                f"optim.default.lr={paper.TABLE10[eps][5] if lr == 'paper' else 0.2}",
+            ]
+            for eps in epsilons for scheme, accountant, lr in arms for seed in range(sc.seeds)
+        }
+        summaries = run_grid(jobs, out / "runs", workers)
         rows, series = [], {"ProjAvg": [], "RLAvg": [], "RetAvg": [], "PriRFed": []}
         for eps in epsilons:
             ours = {
