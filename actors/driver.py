@@ -1,18 +1,21 @@
-"""The Ray engine: connect to (or start) Ray, start the actors, run each round's training on them.
+"""The Ray engine: connect to (or start) Ray, run the federation on a server actor, train on client actors.
 
-Where the federation runs: the driver process (``rfedray run --engine ray``) is the federation
-server. It runs :meth:`rfedray.federated.loop.Federation.run`, the loop the local engine runs, which
-draws the cohort, has it charged, broadcasts theta_t, aggregates, evaluates and checkpoints; only
-the local training is distributed, by :class:`RayExecutor`. So the run directory is on the driver's
-machine, progress and Prometheus metrics come from one process, and ``--resume`` is the local
-engine's resume (checkpoint, plus ``budget.json`` which may be ahead of it).
+What runs where (``rfedray run --engine ray``):
 
-Actors:
-
+* the driver process, :func:`run_on_ray`: connects to Ray (or starts it), starts the server actor on
+  its own node, shows the progress line and the server's warnings, returns the summary and shuts
+  Ray down if it started it;
+* the server actor (:mod:`actors.server_actor`), on the driver's node: runs
+  :meth:`rfedray.federated.loop.Federation.run`, the loop the local engine runs, with the
+  :class:`RayExecutor` of :func:`ray_executor`; it owns the run directory (on the driver's disk),
+  the Prometheus endpoint and the actors below, and ``--resume`` is the local engine's resume
+  (checkpoint, plus ``budget.json`` which may be ahead of it);
 * client actors (:mod:`actors.client_actor`) host sticky blocks of clients and build their data
   themselves;
 * the accountant actor (:mod:`actors.accountant_actor`) holds every client's budget, is pinned to
-  the driver's node and persists ``budget.json`` before each round trains.
+  the server's node and persists ``budget.json`` before each round trains.
+
+:func:`ray_executor` also serves a federation run in the calling process (tests, benchmarks).
 
 A round: theta_t is put in the object store once; each client actor with clients in the cohort gets
 one call; the executor waits for the answers until ``ray.round_timeout_s``. A call to an actor that
@@ -38,7 +41,8 @@ from actors.client_actor import ACTOR_START_TIMEOUT_S, ClientPool, assign_client
 from rfedray.config import Config, ConfigError
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import ClientFailure, LocalResult
-from rfedray.federated.loop import Federation, accounting_fingerprint
+from rfedray.federated.loop import Federation, RoundObserver, accounting_fingerprint
+from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.setup import local_plan
 from rfedray.task import Params
 
@@ -50,6 +54,9 @@ LOCAL_OBJECT_STORE_BYTES = 200 * 1024**2
 CONNECT_TIMEOUT_S = 5.0
 PROBE_INTERVAL_S = 0.25
 """Pause between probes of a client actor that Ray is restarting."""
+
+POLL_INTERVAL_S = 0.5
+"""How often the driver asks the server actor for new round records and warnings."""
 
 LATE = {
     "call": "no answer",
@@ -280,3 +287,84 @@ def ray_executor(fed: Federation) -> RayExecutor:
         executor.close()
         raise
     return executor
+
+
+def _follow(server, finished: ray.ObjectRef, observers: Sequence[RoundObserver], run_dir: RunDirectory) -> dict:
+    """Relay the server's round records and warnings until its run ends; return its summary.
+
+    Raises
+    ------
+    RfedrayError
+        The run's own error as the server raised it, or one line saying that the server actor died
+        and how to resume.
+    """
+    rounds = warnings = 0
+    while True:
+        ended = bool(ray.wait([finished], timeout=POLL_INTERVAL_S)[0])
+        try:
+            records, lines = ray.get(server.updates_since.remote(rounds, warnings))
+        except ray.exceptions.RayActorError:
+            break  # the server died: ray.get(finished) says how
+        for name, level, message in lines:
+            logging.getLogger(name).log(level, "%s", message)
+        for record in records:
+            for obs in observers:
+                obs.on_round(record)
+        rounds, warnings = rounds + len(records), warnings + len(lines)
+        if ended:
+            break
+    try:
+        summary = ray.get(finished)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, RfedrayError):
+            raise exc.cause from None
+        raise  # a bug: keep the server's traceback
+    except ray.exceptions.RayActorError as exc:
+        reason = str(exc).strip().splitlines()[0]
+        raise RfedrayError(
+            f"the federation server actor died ({type(exc).__name__}: {reason}); the run directory keeps the last "
+            f"checkpoint and every charge: continue with rfedray run --resume {run_dir.path}"
+        ) from None
+    for obs in observers:
+        obs.on_finish(summary)
+    return summary
+
+
+def run_on_ray(cfg: Config, run_dir: RunDirectory, observers: Sequence[RoundObserver], *, resume: bool = False) -> dict:
+    """Run (or resume) the federation of ``cfg`` on a server actor; relay its progress to ``observers``.
+
+    Runs in the driver process; the federation runs in the server actor, on this node (see the
+    module docstring).
+
+    Parameters
+    ----------
+    cfg : Config
+    run_dir : RunDirectory
+        Where the server writes the run (on this node's disk).
+    observers : sequence of RoundObserver
+        Get every round record (run-level values only) and the summary, here in the driver.
+    resume : bool
+        Continue ``run_dir`` from its checkpoint.
+
+    Returns
+    -------
+    dict
+        The summary, also in ``run_dir/summary.json``.
+
+    Raises
+    ------
+    RfedrayError
+        When Ray cannot be reached, the run fails (the server's error), or the server actor dies.
+    """
+    from actors.server_actor import start_server  # that module imports this one
+
+    check_ray_config(cfg)
+    session = RaySession.open(cfg.ray.address)
+    try:
+        server = start_server(cfg, run_dir)
+        try:
+            return _follow(server, server.run.remote(resume), observers, run_dir)
+        finally:
+            ray.kill(server, no_restart=True)
+    finally:
+        session.close()

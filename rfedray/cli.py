@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import shutil
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -78,7 +79,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = _load(args.items, extra)
         run_dir = RunDirectory.create(cfg.run.output_dir, new_run_id(cfg.run.name))
     print(run_dir.path, flush=True)
-    summary = run(cfg, run_dir, quiet=args.quiet, resume=bool(args.resume))
+    try:
+        summary = run(cfg, run_dir, quiet=args.quiet, resume=bool(args.resume))
+    except RfedrayError:
+        if not args.resume and not run_dir.metrics.exists() and not run_dir.budget.exists():
+            # Refused before any round was charged: leave no empty run directory behind.
+            shutil.rmtree(run_dir.path, ignore_errors=True)
+        raise
     if summary.get("halted"):
         print(f"halted: {summary['halt_reason']}", file=sys.stderr)
     return 0

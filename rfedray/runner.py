@@ -1,13 +1,15 @@
 """Run a configuration on its engine, with progress and metrics attached.
 
-``run.engine: local`` runs the whole federation in this process; ``run.engine: ray`` hands the same
-federation to the Ray layer (``actors``), which distributes the clients over actors.
+``run.engine: local`` runs the whole federation in this process; ``run.engine: ray`` hands it to the
+Ray layer (:func:`actors.driver.run_on_ray`): a server actor runs the same federation loop there and
+distributes the clients over client actors, while this process shows the progress line.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from contextlib import ExitStack
 from typing import Optional
 
 from rfedray.config import Config
@@ -49,6 +51,7 @@ class MetricsObserver:
             delta=cfg.privacy.delta, sigma=sigma, seeded=cfg.privacy.noise_seed is not None,
         )
         self.port = self.metrics.start_server(cfg.monitoring.metrics_port, cfg.monitoring.metrics_host)
+        self.linger_seconds = cfg.monitoring.linger_seconds
 
     def on_round(self, record: dict) -> None:
         metrics = {k[len("metric_"):]: v for k, v in record.items() if k.startswith("metric_")}
@@ -66,32 +69,55 @@ class MetricsObserver:
     def on_finish(self, summary: dict) -> None:
         self.metrics.set_halted(bool(summary["halted"]))
 
+    def close(self) -> None:
+        """Stop the endpoint, after ``monitoring.linger_seconds`` so a scraper sees the final values."""
+        time.sleep(self.linger_seconds)
+        self.metrics.close()
+
+
+def attach_metrics(fed, stack: ExitStack) -> None:
+    """Start the Prometheus endpoint of ``fed`` if ``monitoring.metrics_port`` is set; ``stack`` closes it.
+
+    Parameters
+    ----------
+    fed : rfedray.federated.loop.Federation
+        Gets the endpoint as an observer, in the process that calls this (on the Ray engine, the
+        server actor).
+    stack : ExitStack
+        Closes the endpoint (after ``monitoring.linger_seconds``) when it unwinds.
+    """
+    if fed.cfg.monitoring.metrics_port is not None:
+        metrics = MetricsObserver(fed.cfg, fed.run_dir.run_id, fed.privacy.sigma)
+        stack.callback(metrics.close)
+        fed.observers.append(metrics)
+
 
 def run(cfg: Config, run_dir: RunDirectory, *, quiet: bool = False, resume: bool = False) -> dict:
-    """Run ``cfg`` into ``run_dir`` on the configured engine and return the summary."""
+    """Run ``cfg`` into ``run_dir`` on the configured engine, write the plots, return the summary."""
+    from rfedray.report import write_plots
+
+    observers = [ProgressObserver(cfg, quiet)]
+    if cfg.run.engine == "ray":
+        from actors.driver import run_on_ray
+        from rfedray.federated.loop import Federation
+
+        # Refuse bad data and privacy settings here, before Ray starts (the server builds the
+        # federation again on its side).
+        Federation.prepare(cfg, run_dir)
+        summary = run_on_ray(cfg, run_dir, observers, resume=resume)
+    else:
+        summary = run_local(cfg, run_dir, observers, resume=resume)
+    write_plots(run_dir.path)
+    return summary
+
+
+def run_local(cfg: Config, run_dir: RunDirectory, observers: list, *, resume: bool = False) -> dict:
+    """The whole federation in this process, metrics endpoint included; return the summary."""
     from rfedray.federated.loop import Federation
 
-    fed = Federation.prepare(cfg, run_dir)
-    fed.observers.append(ProgressObserver(cfg, quiet))
-    metrics = None
-    if cfg.monitoring.metrics_port is not None:
-        metrics = MetricsObserver(cfg, run_dir.run_id, fed.privacy.sigma)
-        fed.observers.append(metrics)
-    if cfg.run.engine == "ray":
-        from actors.driver import ray_executor
-
-        executor = ray_executor(fed)
-    else:
+    fed = Federation.prepare(cfg, run_dir, observers)
+    with ExitStack() as stack:
+        attach_metrics(fed, stack)
         executor = fed.local_executor()
-    try:
-        summary = fed.run(executor, resume=resume)
-        from rfedray.report import write_plots
-
-        write_plots(run_dir.path)
-        return summary
-    finally:
-        executor.close()
-        if metrics is not None:
-            # Keep the endpoint up a little so a scraper sees the final values.
-            time.sleep(cfg.monitoring.linger_seconds)
-            metrics.metrics.close()
+        stack.callback(executor.close)
+        return fed.run(executor, resume=resume)

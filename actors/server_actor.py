@@ -1,0 +1,128 @@
+"""The federation server of a Ray run: one actor that owns the run, on the driver's node.
+
+What runs where (``rfedray run`` with ``run.engine: ray``):
+
+* the driver process (:func:`actors.driver.run_on_ray`) connects to (or starts) Ray, starts the
+  server actor, relays its round records and warnings to the progress line and the log, and
+  returns its summary;
+* the :class:`ServerActor`, pinned to the driver's node so that the run directory is on the
+  driver's disk, builds the :class:`~rfedray.federated.loop.Federation` from the configuration and
+  runs :meth:`~rfedray.federated.loop.Federation.run` with the Ray executor
+  (:func:`actors.driver.ray_executor`): cohort draw, write-ahead charge, theta_t put once per round,
+  concurrent client calls within ``ray.round_timeout_s``, aggregation, evaluation,
+  ``metrics.jsonl``, checkpoints and ``summary.json``. It serves the run's Prometheus endpoint
+  (``monitoring.metrics_port``), so the metrics come from one place and do not depend on the
+  driver;
+* the client actors and the accountant actor are created by the server and owned by it: they end
+  with it. ``RUN_DIR/placement.json`` records where the server and the client actors started.
+
+A server that dies loses nothing that ``rfedray run --resume RUN_DIR`` needs: the checkpoint and the
+write-ahead ``budget.json`` are on the driver's disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import ExitStack
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors.accountant_actor import user_errors_as_rfedray_errors
+from actors.driver import ray_executor
+from rfedray.config import Config
+from rfedray.federated.loop import Federation
+from rfedray.federated.rundir import RunDirectory, atomic_write_json
+from rfedray.runner import attach_metrics
+
+SERVER_NAMESPACE = "rfedray"
+"""Ray namespace of the server actors, each named ``server-<run id>`` (``ray list actors`` shows them)."""
+
+RELAYED_LOGGERS = ("rfedray", "actors")
+"""Loggers whose warnings the server keeps for the driver to log."""
+
+
+class WarningRelay(logging.Handler):
+    """Keeps ``(logger name, level, message)`` of every warning for the driver to log again."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[tuple[str, int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.name, record.levelno, record.getMessage()))
+
+
+class ServerActor:
+    """Runs one federation in its own process; the driver polls it for progress.
+
+    The actor is threaded (``max_concurrency=2``): :meth:`updates_since` answers while :meth:`run`
+    works.
+
+    It works in the driver's working directory (on the same node), so the relative paths of the
+    configuration (``run.output_dir``, data files) mean what they mean to the driver.
+
+    Parameters
+    ----------
+    cfg : Config
+    run_dir : str
+        The run directory, on this (the driver's) node.
+    cwd : str
+        The driver's working directory.
+    """
+
+    def __init__(self, cfg: Config, run_dir: str, cwd: str):
+        os.chdir(cwd)
+        self.cfg, self.run_dir = cfg, RunDirectory(run_dir)
+        self.records: list[dict] = []
+        self.relay = WarningRelay()
+        for name in RELAYED_LOGGERS:
+            logging.getLogger(name).addHandler(self.relay)
+        self.placement: dict = {}
+
+    def run(self, resume: bool) -> dict:
+        """Build the federation, start its actors and metrics endpoint, run it; return the summary.
+
+        Raises
+        ------
+        RfedrayError
+            A user error of the run, with its message (as a plain RfedrayError, which always
+            reaches the driver intact).
+        """
+        with user_errors_as_rfedray_errors(), ExitStack() as stack:
+            fed = Federation.prepare(self.cfg, self.run_dir, [self])
+            attach_metrics(fed, stack)
+            executor = ray_executor(fed)
+            stack.callback(executor.close)
+            self.placement = {
+                "server": {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()},
+                "client_actors": executor.describe(),
+            }
+            return fed.run(executor, resume=resume)
+
+    def on_round(self, record: dict) -> None:
+        """Keep the round's run-level values; write ``placement.json`` with the first round run here.
+
+        (A run that fails before its first round leaves the run directory as it was.)
+        """
+        if not self.records:
+            atomic_write_json(self.run_dir.path / "placement.json", self.placement)
+        self.records.append({k: v for k, v in record.items() if not isinstance(v, list)})
+
+    def on_finish(self, summary: dict) -> None:
+        """Nothing to keep: :meth:`run` returns the summary."""
+
+    def updates_since(self, rounds: int, warnings: int) -> tuple[list[dict], list[tuple[str, int, str]]]:
+        """The round records and warnings after the first ``rounds`` and ``warnings`` already seen."""
+        return self.records[rounds:], self.relay.lines[warnings:]
+
+
+def start_server(cfg: Config, run_dir: RunDirectory):
+    """The server actor of ``run_dir``, pinned to this (the driver's) node, never restarted."""
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    actor_cls = ray.remote(ServerActor).options(
+        name=f"server-{run_dir.run_id}", namespace=SERVER_NAMESPACE, num_cpus=0, max_concurrency=2,
+        max_restarts=0, scheduling_strategy=here,
+    )
+    return actor_cls.remote(cfg, str(run_dir.path), os.getcwd())
