@@ -27,6 +27,7 @@ SUBCOMMAND_MODULES = (
     "rfedray.studies.commands",
     "rfedray.report",
     "rfedray.mestimation.commands",
+    "rfedray.audit",
 )
 
 

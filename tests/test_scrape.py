@@ -11,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from prometheus_server import free_port, prometheus  # noqa: F401  (pytest fixture)
@@ -92,3 +93,53 @@ def test_no_client_value_leaks_through_metrics_logs_or_summary(tmp_path):
     assert not any("client" in key and key not in ("client_failures",) for key in summary)
     # The log never prints records or gradients.
     assert "tensor(" not in stderr
+    # No number the run exports is a per-client data-dependent value: every number of summary.json,
+    # metrics.jsonl, the exposition and the log differs from each client's statistics and records.
+    exported = [*numbers_in(summary), *numbers_in(records), *exposition_values(body), *log_numbers(stderr)]
+    private = client_values(run_dir)
+    assert len(exported) > 100 and private.size > 1000
+    for value in exported:
+        assert not np.isclose(private, value, rtol=1e-7, atol=0).any(), f"exported {value!r} is a client's value"
+
+
+def numbers_in(obj) -> list[float]:
+    """Every number inside a JSON value."""
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return []
+    if isinstance(obj, (int, float)):
+        return [float(obj)]
+    items = obj.values() if isinstance(obj, dict) else obj
+    return [v for item in items for v in numbers_in(item)]
+
+
+def exposition_values(body: str) -> list[float]:
+    """The sample values of a Prometheus exposition."""
+    return [float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith("rfedray_")]
+
+
+def log_numbers(text: str) -> list[float]:
+    """Numbers printed with at least 7 significant digits (rounded ones cannot be matched reliably)."""
+    return [float(m) for m in re.findall(r"-?\d+\.\d{6,}(?:e-?\d+)?", text)]
+
+
+def client_values(run_dir: Path) -> np.ndarray:
+    """What each client's data alone determines: its records, its covariance's spectrum, and the final
+    model's loss, gap and distance on that client's covariance. (Records have unit norm by
+    construction, so norms and traces are not data-dependent and are left out.)"""
+    import torch
+
+    from rfedray.config import load_config
+    from rfedray.federated.loop import Federation
+    from rfedray.federated.rundir import RunDirectory
+    from rfedray.task import EvalData
+
+    fed = Federation.prepare(load_config(run_dir / "config.yaml"), RunDirectory(run_dir))
+    theta = torch.load(run_dir / "model_final.pt")
+    values = []
+    for cid in range(fed.cfg.federation.n_clients):
+        (z,) = fed.dataset.client_data(cid).train
+        z = z.double()
+        cov = z.T @ z / z.shape[0]
+        values += [z.flatten(), torch.linalg.eigvalsh(cov)]
+        values.append(torch.tensor(list(fed.model.evaluate(theta, EvalData((cov,))).values()), dtype=torch.float64))
+    return torch.cat(values).numpy()

@@ -46,22 +46,34 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 KEY = re.compile(r"^(x|y)_(\d+|test)$")
 
 
-class VectorRecords:
-    """Records are vectors ``(d,)``."""
+class Records:
+    """What one record is: its rank, the ``info`` it gives models, its checks (none by default)."""
 
     ndim = 1
     layout = "(m, d)"
 
     @staticmethod
     def info(shape: tuple[int, ...]) -> dict[str, Any]:
-        return {"d": shape[0], "num_features": shape[0], "record_shape": shape}
+        raise NotImplementedError
+
+    @staticmethod
+    def shape_problem(shape: tuple[int, ...]) -> Optional[str]:
+        return None
 
     @staticmethod
     def problem(x: np.ndarray) -> Optional[str]:
         return None
 
 
-class CovarianceRecords:
+class VectorRecords(Records):
+    """Records are vectors ``(d,)``."""
+
+    @staticmethod
+    def info(shape: tuple[int, ...]) -> dict[str, Any]:
+        return {"d": shape[0], "num_features": shape[0], "record_shape": shape}
+
+
+class CovarianceRecords(Records):
     """Records are symmetric positive definite matrices ``(C, C)`` (SPDNet's input)."""
 
     ndim = 2
@@ -72,11 +84,15 @@ class CovarianceRecords:
         return {"channels": shape[0], "representation": "covariance", "record_shape": shape}
 
     @staticmethod
+    def shape_problem(shape: tuple[int, ...]) -> Optional[str]:
+        return None if shape[0] == shape[1] else "covariances are square (C, C) matrices"
+
+    @staticmethod
     def problem(x: np.ndarray) -> Optional[str]:
         return spd_problem(x)
 
 
-class RawRecords:
+class RawRecords(Records):
     """Records are multichannel signals ``(C, T)`` (EEGNet's input)."""
 
     ndim = 2
@@ -85,10 +101,6 @@ class RawRecords:
     @staticmethod
     def info(shape: tuple[int, ...]) -> dict[str, Any]:
         return {"channels": shape[0], "n_times": shape[1], "representation": "raw", "record_shape": shape}
-
-    @staticmethod
-    def problem(x: np.ndarray) -> Optional[str]:
-        return None
 
 
 REPRESENTATIONS = {"vector": VectorRecords, "covariance": CovarianceRecords, "raw": RawRecords}
@@ -107,23 +119,24 @@ class PCATask:
         return {"p": options.p}
 
     @staticmethod
-    def check_labels(y: np.ndarray, info: dict[str, Any]) -> Optional[str]:
-        return None
-
-    @staticmethod
-    def target(y: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.as_tensor(y, dtype=dtype)
-
-    @staticmethod
     def eval_tensors(x: torch.Tensor, y: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         x64 = x.to(torch.float64)
         return (x64.T @ x64 / x64.shape[0],)
 
 
-class ClassificationTask:
-    """Integer labels in ``[0, num_classes)``."""
+class LabelledTask:
+    """One label or target per record; the server evaluates on ``(x_test, y_test)``."""
 
     labelled = True
+
+    @staticmethod
+    def eval_tensors(x: torch.Tensor, y: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return (x, y)
+
+
+class ClassificationTask(LabelledTask):
+    """Integer labels in ``[0, num_classes)``."""
+
     representations = tuple(REPRESENTATIONS)
 
     @staticmethod
@@ -149,15 +162,10 @@ class ClassificationTask:
     def target(y: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(y, dtype=torch.int64)
 
-    @staticmethod
-    def eval_tensors(x: torch.Tensor, y: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return (x, y)
 
-
-class RegressionTask:
+class RegressionTask(LabelledTask):
     """Real, finite targets."""
 
-    labelled = True
     representations = ("vector",)
 
     @staticmethod
@@ -173,10 +181,6 @@ class RegressionTask:
     @staticmethod
     def target(y: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(y, dtype=dtype)
-
-    @staticmethod
-    def eval_tensors(x: torch.Tensor, y: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return (x, y)
 
 
 TASKS = {"pca": PCATask, "classification": ClassificationTask, "regression": RegressionTask}
@@ -308,6 +312,9 @@ class ArraysFederation:
         expected = self.records.layout
         if x.ndim != 1 + self.records.ndim:
             raise self._fail(f"{key} has shape {x.shape}; data.options.representation={self.options.representation} expects {expected}")
+        shape_problem = self.records.shape_problem(x.shape[1:])
+        if shape_problem is not None:
+            raise self._fail(f"{key} holds records of shape {x.shape[1:]}; {shape_problem}")
         if x.shape[0] == 0:
             raise self._fail(f"{key} has no records: every client needs at least federation.batch_size records "
                              "(drop the client from the file and lower federation.n_clients)")
