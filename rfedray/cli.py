@@ -133,7 +133,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if extra:
         args.items = [*args.items, *extra]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+                        format="%(levelname)s %(name)s: %(message)s", force=True)
     try:
         return int(args.func(args) or 0)
     except RfedrayError as exc:

@@ -103,7 +103,9 @@ def run(cfg: Config, run_dir: RunDirectory, *, quiet: bool = False, resume: bool
 
         # Refuse bad data and privacy settings here, before Ray starts (the server builds the
         # federation again on its side).
-        Federation.prepare(cfg, run_dir)
+        fed = Federation.prepare(cfg, run_dir)
+        if resume:
+            fed.check_resume()
         summary = run_on_ray(cfg, run_dir, observers, resume=resume)
     else:
         summary = run_local(cfg, run_dir, observers, resume=resume)

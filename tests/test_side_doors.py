@@ -145,13 +145,6 @@ def train_once(client, theta):
 CLIENT_CALLS = {
     "local_train": train_once,
     "num_records": lambda client, theta: client.num_records,
-    "optimizers": lambda client, theta: (train_once(client, theta), client.optimizers)[1],
-    "load_optimizer_state": lambda client, theta: client.load_optimizer_state(None),
-    "draw_step": lambda client, theta: client.draw_step(theta, torch.Generator().manual_seed(1)),
-    "minibatch": lambda client, theta: client.minibatch(torch.arange(client.plan.batch_size)),
-    "gradient": lambda client, theta: client.gradient(theta, (torch.randn(client.plan.batch_size, theta["subspace"].shape[0]),),
-                                                      {g: torch.zeros_like(v) for g, v in theta.items()}),
-    "result": lambda client, theta: client.result(theta, theta, 0.0),
 }
 """How to call each public member of Client; the arguments are what any caller could pass."""
 

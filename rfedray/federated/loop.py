@@ -295,6 +295,43 @@ class Federation:
             )
         return saved
 
+    def _load_ledger(self, ledger, state: dict, fingerprint: dict) -> None:
+        """Load the spent budget into ``ledger``: ``budget.json``, else the checkpoint's copy.
+
+        The write-ahead ledger may be ahead of the checkpoint (rounds charged, then lost): it is
+        the one to keep, so a resumed run never reports less than was spent.
+        """
+        saved = self._saved_budget(fingerprint) or {"ledger": state["ledger"]}
+        try:
+            ledger.load_state_dict(saved["ledger"])
+        except (RfedrayError, KeyError, TypeError, AttributeError) as exc:
+            raise RfedrayError(
+                f"--resume {self.run_dir.path}: the saved privacy ledger does not fit this run ({type(exc).__name__}: {exc}); "
+                "restore budget.json from a backup (never delete it: it records the budget spent)"
+            ) from None
+
+    def check_resume(self) -> dict[str, Any]:
+        """Check, writing nothing, that this configuration can resume the run directory; its checkpoint.
+
+        Everything a resume checks before it touches the run directory: the checkpoint (readable,
+        same accounting, same model, finite, not past ``run.rounds``), ``budget.json`` and
+        ``metrics.jsonl``. An engine that starts other processes (Ray) calls it first, so that a
+        run directory that cannot be resumed is refused before anything starts.
+
+        Raises
+        ------
+        RfedrayError
+            (or its :class:`ConfigError`) naming the file or the setting, and what to do.
+        """
+        state = self.run_dir.read_checkpoint()
+        fingerprint = accounting_fingerprint(self.cfg, self.privacy, self.sizes)
+        self._check_resumable(state, fingerprint)
+        ledger = self.make_ledger()
+        if ledger is not None:
+            self._load_ledger(ledger, state, fingerprint)
+        self.run_dir.metrics_before(state["round"])
+        return state
+
     def _start_state(self, ledger, fingerprint: dict, resume: bool) -> dict[str, Any]:
         rd = self.run_dir
         if not resume:
@@ -304,19 +341,9 @@ class Federation:
             rd.config.write_text(to_yaml(resolved))
             theta = initial_params(self.cfg, self.model)
             return {"theta": theta, "round": 0, "optimizer_states": {}, "counters": {"client_failures": 0, "submissions_rejected": 0}}
-        state = rd.read_checkpoint()
-        self._check_resumable(state, fingerprint)
+        state = self.check_resume()
         if ledger is not None:
-            # The write-ahead ledger may be ahead of the checkpoint (rounds charged, then lost):
-            # it is the one to keep, so a resumed run never reports less than was spent.
-            saved = self._saved_budget(fingerprint) or {"ledger": state["ledger"]}
-            try:
-                ledger.load_state_dict(saved["ledger"])
-            except (RfedrayError, KeyError, TypeError, AttributeError) as exc:
-                raise RfedrayError(
-                    f"--resume {rd.path}: the saved privacy ledger does not fit this run ({type(exc).__name__}: {exc}); "
-                    "restore budget.json from a backup (never delete it: it records the budget spent)"
-                ) from None
+            self._load_ledger(ledger, state, fingerprint)
         rd.truncate_metrics(state["round"])
         rd.append_metrics({"event": "resumed", "round": state["round"], "epsilon_spent": ledger.epsilon_spent() if ledger else None})
         return state

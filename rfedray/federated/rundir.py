@@ -114,11 +114,16 @@ class RunDirectory:
             return []
         return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
 
-    def truncate_metrics(self, before_round: int) -> None:
-        """Keep the rounds before ``before_round`` (a resume redoes the later ones).
+    def metrics_before(self, before_round: int) -> list[dict]:
+        """The lines of ``metrics.jsonl`` a resume from ``before_round`` keeps (earlier rounds, events).
 
         A last line cut short (the process was killed while appending it) belongs to a round the
         resume redoes and is dropped; an unreadable line before it is an error.
+
+        Raises
+        ------
+        RfedrayError
+            Naming the unreadable line.
         """
         lines = self.metrics.read_text().splitlines() if self.metrics.is_file() else []
         records = []
@@ -133,5 +138,9 @@ class RunDirectory:
                         f"--resume {self.path}: metrics.jsonl line {number} is not JSON; repair or remove that "
                         "line (it is the run's round log) and resume again"
                     ) from None
-        kept = [r for r in records if r.get("round", -1) < before_round or "event" in r]
+        return [r for r in records if r.get("round", -1) < before_round or "event" in r]
+
+    def truncate_metrics(self, before_round: int) -> None:
+        """Keep the rounds before ``before_round`` (a resume redoes the later ones); see :meth:`metrics_before`."""
+        kept = self.metrics_before(before_round)
         atomic_write_bytes(self.metrics, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept).encode())

@@ -11,6 +11,10 @@ STUDIES = {
     "noise-ratio": "rfedray.studies.accounting:NoiseRatio",
     "aggregation-cost": "rfedray.studies.aggregation_cost:AggregationCost",
     "mestimation": "rfedray.studies.mestimation:MEstimationStudy",
+    "eeg-centralised": "rfedray.studies.eeg:EEGCentralised",
+    "eeg-federated": "rfedray.studies.eeg:EEGFederated",
+    "eeg-prirfed": "rfedray.studies.eeg:EEGPriRFed",
+    "eeg-curves": "rfedray.studies.eeg:EEGCurves",
 }
 
 
