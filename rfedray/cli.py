@@ -92,6 +92,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+class _CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of the record, never to a stale stream."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def _configure_logging(level: int) -> None:
+    root = logging.getLogger()
+    for handler in list(root.handlers):  # as basicConfig(force=True): one handler, ours
+        root.removeHandler(handler)
+    handler = _CurrentStderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rfedray",
@@ -132,8 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("unrecognized arguments: " + " ".join(stray or extra))
     if extra:
         args.items = [*args.items, *extra]
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s", force=True)
+    _configure_logging(logging.DEBUG if args.verbose else logging.WARNING)
     try:
         return int(args.func(args) or 0)
     except RfedrayError as exc:
