@@ -39,9 +39,28 @@ def cluster():
     head.shutdown()
 
 
+def stall_local_training():
+    """A function to run inside a client actor (``__ray_call__``): the actor's next local training
+    first sleeps a minute, so that a kill half a second into the round lands while the task is
+    running on any machine. A restarted actor is a fresh instance without the stall. (Built in a
+    closure so that cloudpickle ships it by value: the workers cannot import this test module.)"""
+
+    def stall(actor_self):
+        inner = actor_self._executor.train
+
+        def stalled(*args, **kwargs):
+            time.sleep(60)
+            return inner(*args, **kwargs)
+
+        actor_self._executor.train = stalled
+
+    return stall
+
+
 class KillDuringRound:
     """An executor factory that keeps its Ray executor and kills client actor ``slot`` (Ray restarts
-    it) half a second into round ``round_index``."""
+    it) half a second into round ``round_index``, while that actor's task is stalled (so the kill
+    cannot miss the round however fast the machine is)."""
 
     def __init__(self, round_index, slot):
         self.round_index, self.slot = round_index, slot
@@ -54,6 +73,7 @@ class KillDuringRound:
         def train(cohort, theta, round_index, states):
             if round_index == self.round_index:
                 actor = executor.pool.actors[self.slot]
+                ray.get(actor.__ray_call__.remote(stall_local_training()))
                 threading.Timer(0.5, ray.kill, (actor,), {"no_restart": False}).start()
             return inner_train(cohort, theta, round_index, states)
 
