@@ -25,6 +25,10 @@ import pytest
 import torch
 
 from rfedray.cli import main
+from rfedray.config import load_config
+from rfedray.errors import RfedrayError
+from rfedray.federated.loop import Federation
+from rfedray.federated.rundir import RunDirectory
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["--quiet", "monitoring.progress=false"]
@@ -404,3 +408,16 @@ def test_bad_input_is_one_clear_line_and_loses_nothing(case, prior_run, tmp_path
         assert snapshot(target) == target_before, "the resumed run directory changed"
     for new in {p.name for p in root.iterdir()} - siblings:
         assert not any(p.is_file() for p in (root / new).rglob("*")), f"a failed run left files in {new}"
+
+
+def test_check_resume_refuses_what_a_resume_refuses_and_writes_nothing(prior_run, tmp_path):
+    """What an engine that starts other processes (Ray) calls before starting them."""
+    _, run_dir, before = prior_run
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    fed = Federation.prepare(load_config(copy / "config.yaml"), RunDirectory(copy))
+    assert fed.check_resume()["round"] == 4
+    assert snapshot(copy) == before
+    (copy / "budget.json").write_text('{"fingerprint": ')
+    with pytest.raises(RfedrayError, match="budget.json is unreadable"):
+        fed.check_resume()

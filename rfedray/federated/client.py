@@ -20,12 +20,15 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from rfedray import aggregation
 from rfedray.config import OptimizerConfig
 from rfedray.geometry import ProductManifold
 from rfedray.optim import build_optimizer
-from rfedray.privacy.mechanism import noise_generator, nonprivate_gradient, private_gradient, sample_batch
+from rfedray.privacy.mechanism import (
+    noise_generator, nonprivate_gradient, private_gradient_with_noise, sample_batch, standard_noise,
+)
 from rfedray.task import ClientData, FederatedModel, Params
 
 
@@ -86,6 +89,11 @@ def round_generator(noise_seed: Optional[int], client_id: int, round_index: int,
 class Client:
     """One client: its records and how it trains (implements the client side of Algorithm 1).
 
+    The only public way to train is :meth:`local_train`, which releases privatised values only. A
+    step's pieces (:meth:`_draw_step`, :meth:`_minibatch`, :meth:`_gradient`, :meth:`_result`)
+    return records, batch indices and noise: they are private to this module and to
+    :mod:`rfedray.federated.batched`, which trains several clients at once with them.
+
     Parameters
     ----------
     client_id : int
@@ -122,11 +130,47 @@ class Client:
     def num_records(self) -> int:
         return self._data.num_records
 
-    def _gradient(self, params: Params, batch: tuple[torch.Tensor, ...], generator: torch.Generator) -> Params:
+    def _load_optimizer_state(self, optimizer_state: Optional[dict]) -> None:
+        """Restore the optimisers' state from a previous participation (``None``: fresh state)."""
+        for name, opt in self._optimizers.items():
+            opt.load_state_dict((optimizer_state or {}).get(name, {}))
+
+    def _draw_step(self, theta: Params, generator: torch.Generator) -> tuple[Tensor, Optional[Params]]:
+        """The randomness of one local step, drawn from ``generator`` in this order.
+
+        Parameters
+        ----------
+        theta : dict of Tensor
+            Any point of the model: gives the noise its shapes, dtypes and device.
+        generator : torch.Generator
+            This client's generator of the round.
+
+        Returns
+        -------
+        index : Tensor
+            The minibatch, ``(B,)`` distinct record indices (:func:`sample_batch`).
+        noise : dict of Tensor or None
+            Standard Gaussian ambient noise ``{g: (*shape_g)}`` (:func:`standard_noise`); ``None``
+            for the non-private baseline.
+        """
+        index = sample_batch(self.num_records, self.plan.batch_size, generator)
+        noise = standard_noise(self.product, theta, generator) if self.plan.private else None
+        return index, noise
+
+    def _minibatch(self, index: Tensor) -> tuple[Tensor, ...]:
+        """The records at ``index`` (shape ``(B,)``): each tensor of shape ``(B, ...)``."""
+        return tuple(t[index] for t in self._data.train)
+
+    def _gradient(self, params: Params, batch: tuple[Tensor, ...], noise: Optional[Params]) -> Params:
+        """The step's tangent gradient at ``params``: privatised with ``noise``, or the plain mean.
+
+        Draws no random numbers (they come from :meth:`_draw_step`), so it can be vmapped over
+        clients.
+        """
         if self.plan.private:
-            return private_gradient(
+            return private_gradient_with_noise(
                 self.model.per_sample_loss, params, self.product, batch,
-                clip=self.plan.clip, sigma=self.plan.sigma, generator=generator,
+                clip=self.plan.clip, sigma=self.plan.sigma, noise=noise,
             )
         return nonprivate_gradient(self.model.per_sample_loss, params, self.product, batch)
 
@@ -143,18 +187,29 @@ class Client:
             The state this client's optimisers ended the previous participation with.
         """
         start = time.perf_counter()
-        for name, opt in self._optimizers.items():
-            opt.load_state_dict((optimizer_state or {}).get(name, {}))
+        self._load_optimizer_state(optimizer_state)
         device = next(iter(theta.values())).device
         generator = round_generator(self.plan.noise_seed, self.client_id, round_index, device)
         params = {name: value.clone() for name, value in theta.items()}
-        m = self.num_records
         for j in range(self.plan.local_steps):
-            index = sample_batch(m, self.plan.batch_size, generator)
-            batch = tuple(t[index] for t in self._data.train)
-            grad = self._gradient(params, batch, generator)
+            index, noise = self._draw_step(params, generator)
+            grad = self._gradient(params, self._minibatch(index), noise)
             step = round_index * self.plan.local_steps + j
             params = {name: self._optimizers[name].step(params[name], grad[name], step) for name in params}
+        return self._result(theta, params, start)
+
+    def _result(self, theta: Params, params: Params, start: float) -> LocalResult:
+        """The submission for the local iterate ``params`` and the optimisers' current state.
+
+        Parameters
+        ----------
+        theta : dict of Tensor
+            theta_t.
+        params : dict of Tensor
+            The local iterate after tau steps.
+        start : float
+            ``time.perf_counter()`` when the training began.
+        """
         submission = aggregation.submit(self.scheme, self.product, theta, params)
         state = {name: opt.state_dict() for name, opt in self._optimizers.items()}
         return LocalResult(submission, state, time.perf_counter() - start)

@@ -1,9 +1,10 @@
 """How the clients of a cohort are run: the engine behind the federation loop.
 
 The loop (:mod:`rfedray.federated.loop`) only calls :meth:`Executor.train`. The local executor
-runs the clients one after the other in this process; the Ray executor (``actors``) sends the
-same calls to client actors. Both return, per client, a :class:`LocalResult` or a
-:class:`ClientFailure`.
+runs the clients in this process, several at once where their optimiser states allow it
+(:mod:`rfedray.federated.batched`); the Ray executor (``actors``) sends the same calls to client
+actors, each of which runs a local executor over its own clients. Both return, per client, a
+:class:`LocalResult` or a :class:`ClientFailure`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 from typing import Mapping, Protocol, Sequence
 
 from rfedray.config import Config
+from rfedray.federated.batched import batch_key, train_together
 from rfedray.federated.client import Client, ClientFailure, LocalPlan, LocalResult
 from rfedray.federated.setup import build_client
 from rfedray.task import FederatedDataset, FederatedModel, Params
@@ -34,16 +36,29 @@ class Executor(Protocol):
 class LocalExecutor:
     """Every client in this process; a client's data is loaded the first time it is selected.
 
+    The clients of a cohort are grouped by the structure of their optimiser states
+    (:func:`~rfedray.federated.batched.batch_key`) and each group is trained together by
+    :func:`~rfedray.federated.batched.train_together`, a lone client as a group of one: its
+    results do not depend on which other clients share the call, so the local engine and client
+    actors hosting any part of a cohort compute the same bits. A group whose batched training
+    raises is trained one by one with :meth:`Client.local_train` (a client that fails then is a
+    dropout of the round).
+
     Parameters
     ----------
     cfg : Config
     dataset : FederatedDataset
     model : FederatedModel
     plan : LocalPlan
+    vectorise : bool
+        Train through :func:`~rfedray.federated.batched.train_together` (default); ``False`` runs
+        :meth:`Client.local_train` client after client (the reference loop).
     """
 
-    def __init__(self, cfg: Config, dataset: FederatedDataset, model: FederatedModel, plan: LocalPlan):
+    def __init__(self, cfg: Config, dataset: FederatedDataset, model: FederatedModel, plan: LocalPlan,
+                 vectorise: bool = True):
         self.cfg, self.dataset, self.model, self.plan = cfg, dataset, model, plan
+        self.vectorise = vectorise
         self._clients: dict[int, Client] = {}
 
     def client(self, client_id: int) -> Client:
@@ -53,13 +68,36 @@ class LocalExecutor:
 
     def train(self, cohort, theta, round_index, states):
         results: dict[int, LocalResult | ClientFailure] = {}
+        groups: dict[object, list[int]] = {}
         for cid in cohort:
             try:
-                results[cid] = self.client(cid).local_train(theta, round_index, states.get(cid))
+                key = batch_key(self.client(cid), states.get(cid)) if self.vectorise else cid
             except Exception as exc:  # a failing client is a dropout, never a crashed federation
                 log.exception("client %d failed in round %d", cid, round_index)
                 results[cid] = ClientFailure(type(exc).__name__)
-        return results
+                continue
+            groups.setdefault(key, []).append(cid)
+        for members in groups.values():
+            if self.vectorise:
+                try:
+                    trained = train_together([self.client(c) for c in members], theta, round_index,
+                                             [states.get(c) for c in members])
+                    results.update(zip(members, trained))
+                    continue
+                except Exception:
+                    log.warning("round %d: clients %s could not be trained together; training them one by one",
+                                round_index, members, exc_info=True)
+            for cid in members:
+                results[cid] = self._train_one(cid, theta, round_index, states.get(cid))
+        return {cid: results[cid] for cid in cohort}
+
+    def _train_one(self, cid: int, theta: Params, round_index: int, state) -> LocalResult | ClientFailure:
+        """:meth:`Client.local_train` of one client; a client that raises is a dropout."""
+        try:
+            return self.client(cid).local_train(theta, round_index, state)
+        except Exception as exc:  # a failing client is a dropout, never a crashed federation
+            log.exception("client %d failed in round %d", cid, round_index)
+            return ClientFailure(type(exc).__name__)
 
     def close(self) -> None:
         self._clients.clear()

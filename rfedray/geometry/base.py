@@ -179,5 +179,77 @@ class Manifold(ABC):
         self._check_shape("v", v)
         return frobenius_norm(v, len(self.shape))
 
+    def tangent_coordinates(self, x: Tensor) -> "TangentCoordinates":
+        """An isometric linear chart of the tangent space at ``x`` (see :class:`TangentCoordinates`).
+
+        The default chart is the tangent projection itself (coordinates ``P_x z``); manifolds whose
+        tangent space has a smaller linear representation override it, so that per-sample
+        gradients are measured and summed without being projected in full.
+
+        Parameters
+        ----------
+        x : Tensor
+            Points of ``M``, shape ``(..., *shape)``.
+        """
+        return ProjectedCoordinates(self, x)
+
+    def tangent_norm(self, x: Tensor, z: Tensor) -> Tensor:
+        """``||P_x z||_F``, measured in the manifold's tangent coordinates.
+
+        Parameters
+        ----------
+        x : Tensor
+            Points of ``M``, shape ``(..., *shape)``; broadcasts against ``z``.
+        z : Tensor
+            Ambient vectors, shape ``(..., *shape)``.
+
+        Returns
+        -------
+        Tensor
+            The broadcast leading shape ``(...)``.
+        """
+        self._check_shape("z", z)
+        return frobenius_norm(self.tangent_coordinates(x).coordinates(z), len(self.shape))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(map(str, self.shape))})"
+
+
+class TangentCoordinates(ABC):
+    """An isometric linear chart ``L_x`` of the tangent space at one point ``x``.
+
+    ``coordinates(z) = L_x P_x z`` is linear in the ambient vector ``z`` and keeps the norm,
+    ``||coordinates(z)||_F = ||P_x z||_F``; ``vector`` is its inverse on the tangent space,
+    ``vector(coordinates(z)) = P_x z``. Coordinates have as many trailing dimensions as a point, and
+    leading dimensions broadcast like the manifold's. Because ``L_x`` is linear, a weighted sum of
+    projected ambient vectors can be formed in coordinates and mapped back once:
+    ``sum_l s_l P_x z_l = vector(sum_l s_l coordinates(z_l))``.
+    """
+
+    @abstractmethod
+    def coordinates(self, z: Tensor) -> Tensor:
+        """``L_x P_x z`` for ambient ``z`` of shape ``(..., *shape)``."""
+
+    @abstractmethod
+    def vector(self, c: Tensor) -> Tensor:
+        """The tangent vector at ``x`` (shape ``(..., *shape)``) whose coordinates are ``c``."""
+
+
+class ProjectedCoordinates(TangentCoordinates):
+    """The default chart: the coordinates of ``z`` are ``P_x z`` itself.
+
+    Parameters
+    ----------
+    manifold : Manifold
+    x : Tensor
+        The point, shape ``(..., *shape)``.
+    """
+
+    def __init__(self, manifold: Manifold, x: Tensor):
+        self.manifold, self.x = manifold, x
+
+    def coordinates(self, z: Tensor) -> Tensor:
+        return self.manifold.proj_tangent(self.x, z)
+
+    def vector(self, c: Tensor) -> Tensor:
+        return c

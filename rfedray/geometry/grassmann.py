@@ -10,7 +10,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rfedray.geometry.base import Manifold, eye_like, matrix_exp, qr_solve, sym, working_dtype
+from rfedray.geometry.base import (
+    Manifold,
+    TangentCoordinates,
+    eye_like,
+    matrix_exp,
+    qr_solve,
+    sym,
+    working_dtype,
+)
 from rfedray.geometry.stiefel import qr_factor
 
 
@@ -58,6 +66,40 @@ class _TopEigenprojector(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_p: Tensor, grad_evals: Tensor, grad_evecs: Tensor) -> tuple[Tensor, None]:
         return _TopEigenprojector._derivative(ctx, grad_p), None
+
+
+_SQRT2 = 2.0 ** 0.5
+
+
+class _BasisCoordinates(TangentCoordinates):
+    """Tangent coordinates of ``Gr(d, p)`` at ``X`` through an orthonormal basis ``U`` (``d x q``).
+
+    ``U`` spans the range of ``X`` or of ``I - X`` (both have the tangent projection
+    ``P_X(Z) = U V^T + V U^T`` with ``V = (I - U U^T) Zs U``). Since ``U^T V = 0``,
+    ``||P_X(Z)||_F^2 = 2 ||V||_F^2``, so ``c = sqrt(2) V^T`` (shape ``(..., q, d)``) is an isometric
+    chart; computing it costs three ``(q x d) (d x d)`` products per ``Z`` instead of the
+    ``(d x d) (d x d)`` products of the projection, and keeps ``q d`` numbers instead of ``d^2``.
+
+    Parameters
+    ----------
+    u : Tensor
+        Shape ``(..., d, q)``, orthonormal columns.
+    """
+
+    def __init__(self, u: Tensor):
+        self.u = u
+        self.scaled_ut = u.mT * (0.5 * _SQRT2)
+        projector = u @ u.mT
+        self.complement = eye_like(projector) - projector
+
+    def coordinates(self, z: Tensor) -> Tensor:
+        """``sqrt(2) U^T Zs (I - U U^T)`` for ``z`` of shape ``(..., d, d)``: shape ``(..., q, d)``."""
+        return (self.scaled_ut @ z + self.scaled_ut @ z.mT) @ self.complement
+
+    def vector(self, c: Tensor) -> Tensor:
+        """``U V^T + V U^T`` with ``V^T = c / sqrt(2)``, symmetric to the last bit: shape ``(..., d, d)``."""
+        half = (self.u @ c) * (1.0 / _SQRT2)
+        return half + half.mT
 
 
 class Grassmann(Manifold):
@@ -116,6 +158,25 @@ class Grassmann(Manifold):
             return u @ v.mT + v @ u.mT
         xz = x @ zs
         return xz + xz.mT - 2.0 * xz @ x
+
+    def tangent_coordinates(self, x: Tensor) -> TangentCoordinates:
+        """Coordinates through an orthonormal basis of the range of ``x`` or of its complement.
+
+        The basis has ``q = min(p, d - p)`` columns (one ``eigh`` of ``x``), so the coordinates of a
+        batch of ambient ``z`` cost ``O(d^2 q)`` each and take ``q d`` numbers instead of ``d^2``
+        (see :class:`_BasisCoordinates`). When a gradient flows to ``x``, the default chart
+        (the projection itself) is used, which differentiates through ``x``.
+
+        Parameters
+        ----------
+        x : Tensor
+            Points of Gr, shape ``(..., d, d)``.
+        """
+        if torch.is_grad_enabled() and x.requires_grad:
+            return super().tangent_coordinates(x)
+        evecs = torch.linalg.eigh(x.to(working_dtype(x.dtype)))[1]  # eigh reads one triangle of x
+        basis = evecs[..., -self.p:] if self.p <= self.d - self.p else evecs[..., : self.d - self.p]
+        return _BasisCoordinates(basis.to(x.dtype))
 
     def _basis(self, x: Tensor) -> Tensor:
         """An orthonormal basis ``U`` (shape ``(..., d, p)``) of the range of the projector ``x``.

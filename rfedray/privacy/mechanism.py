@@ -111,9 +111,29 @@ def _check_records(records: tuple[Tensor, ...]) -> int:
     return size
 
 
-def _broadcast(weights: Tensor, like: Tensor) -> Tensor:
-    """``weights`` of shape ``(B,)`` viewed as ``(B, 1, ..., 1)`` against ``like`` of shape ``(B, ...)``."""
-    return weights.reshape(weights.shape + (1,) * (like.dim() - 1))
+def standard_noise(product: ProductManifold, params: Params, generator: torch.Generator) -> Params:
+    """One standard Gaussian ambient draw per group, in the product's group order.
+
+    The private step adds ``sigma`` times its tangent projection. A client draws its minibatch with
+    :func:`sample_batch`, then this noise, from its own generator at every step.
+
+    Parameters
+    ----------
+    product : ProductManifold
+    params : dict of Tensor
+        ``{g: (*shape_g)}``; the noise has their shapes, dtypes and device.
+    generator : torch.Generator
+        On the device of ``params``.
+
+    Returns
+    -------
+    dict of Tensor
+        ``{g: (*shape_g)}``, entries i.i.d. ``N(0, 1)``.
+    """
+    return {
+        g: torch.randn(params[g].shape, generator=generator, dtype=params[g].dtype, device=params[g].device)
+        for g in product.groups
+    }
 
 
 def private_gradient(
@@ -156,20 +176,64 @@ def private_gradient(
     A record whose gradient is not finite contributes zero (a valid clipped value: it stays within
     the ``2C/B`` sensitivity), so one degenerate record cannot turn the model into NaN.
     """
+    return private_gradient_with_noise(
+        loss_fn, params, product, records, clip=clip, sigma=sigma, noise=standard_noise(product, params, generator)
+    )
+
+
+def private_gradient_with_noise(
+    loss_fn: LossFn,
+    params: Params,
+    product: ProductManifold,
+    records: tuple[Tensor, ...],
+    *,
+    clip: float,
+    sigma: float,
+    noise: Params,
+) -> Params:
+    """:func:`private_gradient` with its standard noise already drawn (by :func:`standard_noise`).
+
+    Per-sample gradients are measured and summed in each group's tangent coordinates
+    (:meth:`~rfedray.geometry.Manifold.tangent_coordinates`, an isometric linear chart ``L`` of
+    the tangent space), and mapped back once::
+
+        c_l = L P grad f(theta; z_l),   s_l = min(1, C / ||c_l||),
+        g = L^-1 ( sum_l s_l c_l / B + sigma L P xi ),
+
+    which equals the clipped mean of the projected gradients plus the projected noise, because
+    ``L`` is linear and keeps norms. On Gr(d, p) the coordinates take ``p d`` numbers per record
+    instead of ``d^2``. Nothing here draws random numbers, so the function can be vmapped over
+    clients whose noise was drawn from their own generators.
+
+    Parameters
+    ----------
+    loss_fn, params, product, records, clip, sigma
+        As in :func:`private_gradient`.
+    noise : dict of Tensor
+        ``{g: (*shape_g)}``, standard Gaussian ambient noise.
+
+    Returns
+    -------
+    dict of Tensor
+        ``{g: (*shape_g)}``, tangent at ``theta``.
+    """
     clip = checks.positive("clip", clip)
     sigma = checks.positive("sigma", sigma)
     batch = _check_records(records)
-    tangent = product.proj_tangent(params, per_sample_gradients(loss_fn, params, records))
-    norms = product.norm(tangent)
+    product.check_groups("noise", noise)
+    grads = per_sample_gradients(loss_fn, params, records)
+    charts = {g: m.tangent_coordinates(params[g]) for g, m in product.groups.items()}
+    coords = {g: charts[g].coordinates(grads[g]) for g in product.groups}
+    flat = torch.cat([c.flatten(1) for c in coords.values()], dim=1)  # (B, sum of the groups' coordinates)
+    norms = torch.linalg.vector_norm(flat, dim=1)
     finite = torch.isfinite(norms)
-    scale = torch.where(finite, torch.clamp(clip / norms, max=1.0), torch.zeros_like(norms)) / batch
-    noisy = {}
-    for g, value in tangent.items():
-        clipped = torch.where(_broadcast(finite, value), value, torch.zeros_like(value))
-        mean = (clipped * _broadcast(scale, value)).sum(dim=0)
-        noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device=mean.device)
-        noisy[g] = mean + sigma * noise
-    return product.proj_tangent(params, noisy)
+    scale = torch.where(finite, torch.clamp(clip / norms, max=1.0), 0.0) / batch
+    total = torch.tensordot(scale, torch.where(finite[:, None], flat, 0.0), dims=1)
+    parts = torch.split(total, [c[0].numel() for c in coords.values()])
+    return {
+        g: charts[g].vector(part.view(coords[g].shape[1:]) + sigma * charts[g].coordinates(noise[g]))
+        for (g, part) in zip(coords, parts)
+    }
 
 
 def nonprivate_gradient(

@@ -316,7 +316,7 @@ class EEGCentralised(EEGStudy):
 
     name = "eeg-centralised"
     description = "Table 6: centralised non-private SPDNet vs EEGNet (one client, one round per epoch)"
-    laptop_minutes = {"tiny": 1, "full": 45}
+    laptop_minutes = {"tiny": 0.5, "full": 30}
 
     def centralised(self, model: str) -> tuple[list[str], dict[str, Any]]:
         """Overrides of the centralised run of ``model`` (one client, ``round(N / B)`` steps a round) and its plan."""
@@ -376,7 +376,7 @@ class EEGFederated(EEGStudy):
 
     name = "eeg-federated"
     description = "Tables 7 and 8: SPDNet (ProjAvg, RLAvg, RetAvg) vs EEGNet, non-private and epsilon 20/10/5, full and half participation"
-    laptop_minutes = {"tiny": 3, "full": 350}
+    laptop_minutes = {"tiny": 1, "full": 300}
 
     participations = {
         "Table 7 (full participation)": ((PROJAVG, RLAVG, RETAVG, EEGNET), TABLE7, lambda n: n),
@@ -456,7 +456,7 @@ class EEGPriRFed(EEGStudy):
 
     name = "eeg-prirfed"
     description = "Figure 4(a): SPDNet at epsilon 20, our accounting (ProjAvg, RLAvg, RetAvg) vs PriRFed (RetAvg at PriRFed's noise)"
-    laptop_minutes = {"tiny": 1, "full": 15}
+    laptop_minutes = {"tiny": 0.3, "full": 10}
 
     arms = (PROJAVG, RLAVG, RETAVG, PRIRFED)
 
@@ -509,7 +509,7 @@ class EEGCurves(EEGStudy):
 
     name = "eeg-curves"
     description = "Figure 7: accuracy vs round at epsilon 5 for horizons T/2, T, 2T (SPDNet ProjAvg and EEGNet)"
-    laptop_minutes = {"tiny": 1, "full": 170}
+    laptop_minutes = {"tiny": 0.5, "full": 150}
 
     arms = (PROJAVG, EEGNET)
 
