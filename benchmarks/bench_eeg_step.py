@@ -1,7 +1,8 @@
 """Cost of a private local step against the non-private one: federated PCA, SPDNet and EEGNet.
 
-Private step: per-sample gradients by ``vmap(grad(per_sample_loss))``, tangent projection, joint
-clipping and Gaussian noise (:func:`rfedray.privacy.mechanism.private_gradient`), then
+Private step: per-sample gradients by ``vmap(grad(per_sample_loss))`` (or the model's closed-form
+``gradient_rule``, as the clients use it: federated PCA), tangent projection, joint clipping and
+Gaussian noise (:func:`rfedray.privacy.mechanism.private_gradient`), then
 ``theta <- Pi(theta - lr g)``. Non-private step: one batched forward and ``torch.autograd.grad``
 of the mean loss, tangent projection, the same update. Both run in the same process, interleaved,
 and the ratio of their medians (and of their minima, less sensitive to other load on shared
@@ -115,7 +116,7 @@ def steps(case: Case, generator: torch.Generator, device: str = "cpu") -> tuple[
 
     def private():
         out = update(private_gradient(model.per_sample_loss, params, product, records,
-                                      clip=case.clip, sigma=case.sigma, generator=noise))
+                                      clip=case.clip, sigma=case.sigma, generator=noise, rule=model.gradient_rule))
         synchronize(device)
         return out
 

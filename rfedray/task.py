@@ -74,6 +74,7 @@ class FederatedModel(Protocol):
     """A model as the private step needs it: functional, with parameters grouped by manifold."""
 
     groups: Mapping[str, Any]  # group name -> rfedray.geometry.Manifold
+    gradient_rule: Any  # a rfedray.privacy.mechanism.PerSampleRule, or None: per-record gradients by vmap(grad)
 
     def init_params(self, generator: torch.Generator) -> Params:
         """A starting point on the product manifold."""

@@ -74,3 +74,26 @@ def test_unwritable_output_dir_is_a_clear_error(tmp_path):
     out = rfedray("run", *TINY, f"run.output_dir={blocker}/sub")
     assert out.returncode == 2
     assert out.stderr.strip().startswith("error: run.output_dir=")
+
+
+def test_experiment_list_names_every_study_with_its_times():
+    from rfedray.studies import STUDIES
+
+    out = rfedray("experiment", "--list")
+    assert out.returncode == 0, out.stderr
+    listed = [line.split()[0] for line in out.stdout.splitlines()[1:] if line.strip() and not line.startswith("expected")]
+    assert listed == list(STUDIES)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["noise-ratio", "colour=red"], "experiment option 'colour=red': allowed are scale=..., out=..."),
+    (["noise-ratio", "scale=huge"], "scale='huge': must be one of tiny, full"),
+    (["noise-ratio", "workers=0"], "workers='0': must be an integer >= 1"),
+    (["noise-ratio", "dataset=PhysionetMI"], "dataset=: study 'noise-ratio' has no dataset to choose"),
+    (["eeg-centralised", "dataset=Lee2019", "scale=tiny"], "dataset='Lee2019': the EEG studies run PhysionetMI"),
+    (["no-such-study"], "experiment 'no-such-study': unknown study"),
+])
+def test_experiment_bad_options_are_one_line_errors(args, message):
+    out = rfedray("experiment", *args)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -177,3 +177,54 @@ def test_noise_generator_seeding():
     for bad in (-1, 1.5, "7", True):
         with pytest.raises(ValueError, match="seed="):
             noise_generator(bad)
+
+
+def fedpca_minibatch(dtype, seed=0, batch=64, d=12, p=3):
+    """A point of Gr(d, p) and records of very different norms (clipping binds for some), one of
+    them adversarially large."""
+    from rfedray.models.fedpca import FedPCA
+
+    model = FedPCA(d, p, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed)
+    params = {k: v.to(dtype) for k, v in model.init_params(gen).items()}
+    z = torch.randn(batch, d, dtype=torch.float64, generator=gen) * torch.logspace(-1, 1, batch, dtype=torch.float64)[:, None]
+    z[7] *= 1e4
+    return model, ProductManifold(model.groups), params, (z.to(dtype),)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_fedpca_gradient_rule_equals_the_generic_per_sample_path(dtype, tol):
+    """The closed-form rule (norms sqrt2 ||Pz|| ||(I-P)z||, sum -Z^T diag(w) Z) gives the vmap(grad)
+    path's privatised gradient, with clipping binding for some records and not others."""
+    model, prod, params, records = fedpca_minibatch(dtype)
+    grads = per_sample_gradients(model.per_sample_loss, params, records)
+    norms = prod.norm(prod.proj_tangent(params, grads))
+    torch.testing.assert_close(model.gradient_rule.tangent_norms(params, records), norms, rtol=tol, atol=0)
+    clip = float(norms.median())
+    assert (norms > clip).any() and (norms < clip).any()
+    generic = private_gradient(model.per_sample_loss, params, prod, records, clip=clip, sigma=0.3,
+                               generator=noise_generator(5))
+    ruled = private_gradient(model.per_sample_loss, params, prod, records, clip=clip, sigma=0.3,
+                             generator=noise_generator(5), rule=model.gradient_rule)
+    scale = float(prod.norm(generic))
+    torch.testing.assert_close(ruled["subspace"], generic["subspace"], rtol=0, atol=tol * scale)
+
+
+def test_fedpca_gradient_rule_keeps_the_sensitivity_and_drops_non_finite_records():
+    model, prod, params, (z,) = fedpca_minibatch(torch.float64)
+    clip, batch = 0.2, z.shape[0]
+    z2 = z.clone()
+    z2[3] = 1e6
+    z3 = z.clone()
+    z3[3] = float("nan")
+
+    def step(records):
+        return private_gradient(model.per_sample_loss, params, prod, records, clip=clip, sigma=0.7,
+                                generator=noise_generator(3), rule=model.gradient_rule)
+
+    a, b, c = step((z,)), step((z2,)), step((z3,))
+    gap = float(prod.norm({k: a[k] - b[k] for k in a}))
+    assert 0.0 < gap <= 2 * clip / batch + 1e-12
+    assert torch.isfinite(c["subspace"]).all()
+    gap = float(prod.norm({k: a[k] - c[k] for k in a}))
+    assert 0.0 < gap <= clip / batch + 1e-12

@@ -72,3 +72,41 @@ def test_fitted_clip_is_in_the_paper_config():
     from rfedray.config import load_config
 
     assert load_config(None).privacy.clip == PAPER_CLIP
+
+
+TINY_JOBS = [["run.engine=local", "run.rounds=3", "federation.n_clients=4", "federation.clients_per_round=2",
+             "data.options.records_per_client=50", "data.options.d=6", "data.options.p=2",
+             "federation.batch_size=10", "federation.local_steps=2", f"run.seed={seed}",
+             f"privacy.noise_seed={seed}"] for seed in (0, 1)]
+
+
+def test_an_interrupted_study_reuses_finished_runs_and_reruns_the_others(tmp_path, capsys):
+    from rfedray.studies.base import job_directory_name, run_many
+
+    jobs = TINY_JOBS
+    first = run_many(jobs, tmp_path, workers=1)
+    assert [s["reused"] for s in first] == [False, False]
+    # The second job was cut off mid-run: its directory holds no summary.
+    (tmp_path / job_directory_name(jobs[1]) / "summary.json").unlink()
+    second = run_many(jobs, tmp_path, workers=1)
+    assert [s["reused"] for s in second] == [True, False]
+    assert [s["final_metrics"] for s in second] == [s["final_metrics"] for s in first]
+    assert "2/2 runs (1 reused" in capsys.readouterr().err
+
+
+def test_a_study_connected_to_ray_runs_each_job_as_a_ray_task(tmp_path):
+    import os
+
+    import ray
+
+    from rfedray.studies.base import run_many
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        on_ray = run_many(TINY_JOBS, tmp_path / "ray")
+    finally:
+        ray.shutdown()
+    here = run_many(TINY_JOBS, tmp_path / "here", workers=1)
+    assert all(s["ran_on"]["pid"] != os.getpid() for s in on_ray)
+    assert all(s["ran_on"]["pid"] == os.getpid() for s in here)
+    assert [s["final_metrics"] for s in on_ray] == [s["final_metrics"] for s in here]

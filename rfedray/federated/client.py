@@ -159,7 +159,7 @@ class Client:
 
     def _minibatch(self, index: Tensor) -> tuple[Tensor, ...]:
         """The records at ``index`` (shape ``(B,)``): each tensor of shape ``(B, ...)``."""
-        return tuple(t[index] for t in self._data.train)
+        return tuple(t.index_select(0, index) for t in self._data.train)
 
     def _gradient(self, params: Params, batch: tuple[Tensor, ...], noise: Optional[Params]) -> Params:
         """The step's tangent gradient at ``params``: privatised with ``noise``, or the plain mean.
@@ -170,7 +170,7 @@ class Client:
         if self.plan.private:
             return private_gradient_with_noise(
                 self.model.per_sample_loss, params, self.product, batch,
-                clip=self.plan.clip, sigma=self.plan.sigma, noise=noise,
+                clip=self.plan.clip, sigma=self.plan.sigma, noise=noise, rule=self.model.gradient_rule,
             )
         return nonprivate_gradient(self.model.per_sample_loss, params, self.product, batch)
 

@@ -133,6 +133,9 @@ class EEGNet:
         Of the parameters; inputs are cast to it.
     """
 
+    gradient_rule = None
+    """Per-record gradients by ``vmap(grad)`` (no closed form: see :class:`~rfedray.privacy.mechanism.PerSampleRule`)."""
+
     def __init__(self, channels: int, n_times: int, num_classes: int, norm_groups: int = 1, dtype: torch.dtype = torch.float32):
         if num_classes < 2:
             raise ValueError(f"num_classes={num_classes!r}: must be an integer >= 2")

@@ -24,8 +24,35 @@ from rfedray.task import EvalData, Params
 GROUP = "subspace"
 
 
+class ProjectorGradients:
+    """Closed-form per-record gradients of ``f(P; z) = -z^T P z`` on Gr(d, p)
+    (a :class:`~rfedray.privacy.mechanism.PerSampleRule`).
+
+    A record's ambient gradient is ``-z z^T``. With ``a = P z`` and ``b = z - a`` (orthogonal, as
+    ``P`` is a projector), its tangent projection ``P_P(z z^T) = a b^T + b a^T`` has norm
+    ``sqrt(2) ||a|| ||b||``; a weighted sum of the gradients is ``-Z^T diag(w) Z``. Both cost
+    ``O(B d^2)`` with no ``(B, d, d)`` tensor.
+    """
+
+    @staticmethod
+    def tangent_norms(params: Params, records: tuple[Tensor, ...]) -> Tensor:
+        """Shape ``(B,)`` for records ``z`` of shape ``(B, d)``."""
+        (z,) = records
+        a = z @ params[GROUP]
+        return (2.0 ** 0.5) * torch.linalg.vector_norm(a, dim=-1) * torch.linalg.vector_norm(z - a, dim=-1)
+
+    @staticmethod
+    def weighted_gradient(params: Params, records: tuple[Tensor, ...], weights: Tensor) -> Params:
+        """``-sum_l w_l z_l z_l^T``, shape ``(d, d)``; records of weight 0 are left out exactly."""
+        (z,) = records
+        kept = torch.where((weights != 0)[:, None], z, 0.0)
+        return {GROUP: -(kept.mT * weights) @ kept}
+
+
 class GrassmannPCA:
     """Projector parametrisation: the point is ``P`` itself, shape (d, d)."""
+
+    gradient_rule = ProjectorGradients()
 
     def __init__(self, d: int, p: int, retraction=None):
         self.manifold: Manifold = Grassmann(d, p)
@@ -38,6 +65,8 @@ class GrassmannPCA:
 class StiefelPCA:
     """Basis parametrisation: the point is ``U``, shape (d, p), projector ``U U^T``."""
 
+    gradient_rule = None
+
     def __init__(self, d: int, p: int, retraction=PolarRetraction):
         self.manifold = Stiefel(d, p, retraction)
 
@@ -48,6 +77,8 @@ class StiefelPCA:
 
 class SpherePCA:
     """Leading eigenvector only (p = 1): the point is ``u``, shape (d,), projector ``u u^T``."""
+
+    gradient_rule = None
 
     def __init__(self, d: int, p: int, retraction=None):
         if p != 1:
@@ -92,6 +123,7 @@ class FedPCA:
         self.d, self.p, self.dtype = d, p, dtype
         self.parametrisation = parametrisation(d, p, retraction)
         self.groups = {GROUP: self.parametrisation.manifold}
+        self.gradient_rule = self.parametrisation.gradient_rule
 
     def init_params(self, generator: torch.Generator) -> Params:
         point = self.parametrisation.manifold.random_point(generator=generator, dtype=torch.float64)

@@ -75,6 +75,9 @@ class GLMHessian:
 
     l2: float
 
+    gradient_rule = None
+    """Per-record gradients by ``vmap(grad)`` (no closed form: see :class:`~rfedray.privacy.mechanism.PerSampleRule`)."""
+
     def curvature(self, params: Params, x: Tensor) -> Tensor:
         """``A`` of every record, shape ``(B, K, K)``."""
         raise NotImplementedError

@@ -42,6 +42,9 @@ class MLP:
     dtype : torch.dtype
     """
 
+    gradient_rule = None
+    """Per-record gradients by ``vmap(grad)`` (no closed form: see :class:`~rfedray.privacy.mechanism.PerSampleRule`)."""
+
     def __init__(self, num_features: int, hidden: list[int], num_outputs: int, task: str = "classification",
                  activation: str = "tanh", l2: float = 0.0, dtype: torch.dtype = torch.float64):
         if task not in ("classification", "regression"):

@@ -100,6 +100,9 @@ class SPDNet:
         Retraction of the Stiefel groups.
     """
 
+    gradient_rule = None
+    """Per-record gradients by ``vmap(grad)`` (no closed form: see :class:`~rfedray.privacy.mechanism.PerSampleRule`)."""
+
     def __init__(
         self,
         channels: int,

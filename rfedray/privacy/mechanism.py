@@ -18,7 +18,7 @@ clipping decisions are never returned or stored.
 from __future__ import annotations
 
 import secrets
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -29,6 +29,26 @@ from rfedray.privacy import checks
 
 Params = dict[str, Tensor]
 LossFn = Callable[..., Tensor]
+
+
+class PerSampleRule(Protocol):
+    """A model's closed-form algebra of per-record gradients (Opacus calls these grad samplers).
+
+    The private step needs two things of the per-record gradients ``g_l = grad f(theta; z_l)``:
+    their tangent norms, to clip, and a weighted sum, to average. Since the tangent projection is
+    linear, ``sum_l s_l P g_l = P (sum_l s_l g_l)``, so a model whose gradients have structure (a
+    rank-one ``g_l = -z_l z_l^T`` for federated PCA) can give both without materialising ``B``
+    gradients. :func:`private_gradient_with_noise` then equals the generic ``vmap(grad)`` path to
+    rounding; a wrong norm would break the sensitivity bound, so every rule is tested against it
+    (``tests/test_mechanism.py``).
+    """
+
+    def tangent_norms(self, params: Params, records: tuple[Tensor, ...]) -> Tensor:
+        """``||P_theta g_l||`` joint over the groups, shape ``(B,)``."""
+
+    def weighted_gradient(self, params: Params, records: tuple[Tensor, ...], weights: Tensor) -> Params:
+        """``sum_l w_l g_l`` (ambient, not projected), ``{g: (*shape_g)}``; ``weights`` has shape
+        ``(B,)`` and a record with weight 0 contributes exactly 0, even if its values are not finite."""
 
 
 def noise_generator(seed: Optional[int], device: str | torch.device = "cpu") -> torch.Generator:
@@ -145,6 +165,7 @@ def private_gradient(
     clip: float,
     sigma: float,
     generator: torch.Generator,
+    rule: Optional[PerSampleRule] = None,
 ) -> Params:
     """The privatised tangent gradient of one step on a minibatch.
 
@@ -165,6 +186,9 @@ def private_gradient(
         multiplier of ``C``).
     generator : torch.Generator
         Source of the noise (see :func:`noise_generator`); on the device of ``params``.
+    rule : PerSampleRule or None
+        The model's closed-form per-record gradients (its ``gradient_rule``); ``None``: by
+        ``vmap(grad(loss_fn))``.
 
     Returns
     -------
@@ -177,7 +201,8 @@ def private_gradient(
     the ``2C/B`` sensitivity), so one degenerate record cannot turn the model into NaN.
     """
     return private_gradient_with_noise(
-        loss_fn, params, product, records, clip=clip, sigma=sigma, noise=standard_noise(product, params, generator)
+        loss_fn, params, product, records, clip=clip, sigma=sigma, noise=standard_noise(product, params, generator),
+        rule=rule,
     )
 
 
@@ -190,6 +215,7 @@ def private_gradient_with_noise(
     clip: float,
     sigma: float,
     noise: Params,
+    rule: Optional[PerSampleRule] = None,
 ) -> Params:
     """:func:`private_gradient` with its standard noise already drawn (by :func:`standard_noise`).
 
@@ -202,8 +228,13 @@ def private_gradient_with_noise(
 
     which equals the clipped mean of the projected gradients plus the projected noise, because
     ``L`` is linear and keeps norms. On Gr(d, p) the coordinates take ``p d`` numbers per record
-    instead of ``d^2``. Nothing here draws random numbers, so the function can be vmapped over
-    clients whose noise was drawn from their own generators.
+    instead of ``d^2``. With a model's ``rule`` (:class:`PerSampleRule`) no per-record gradient is
+    formed::
+
+        s_l = min(1, C / rule.tangent_norms_l),   g = P ( rule.weighted_gradient(s / B) + sigma xi ).
+
+    Nothing here draws random numbers, so the function can be vmapped over clients whose noise was
+    drawn from their own generators.
 
     Parameters
     ----------
@@ -211,6 +242,8 @@ def private_gradient_with_noise(
         As in :func:`private_gradient`.
     noise : dict of Tensor
         ``{g: (*shape_g)}``, standard Gaussian ambient noise.
+    rule : PerSampleRule or None
+        The model's closed-form per-record gradients; ``None``: ``vmap(grad(loss_fn))``.
 
     Returns
     -------
@@ -221,6 +254,11 @@ def private_gradient_with_noise(
     sigma = checks.positive("sigma", sigma)
     batch = _check_records(records)
     product.check_groups("noise", noise)
+    if rule is not None:
+        norms = rule.tangent_norms(params, records)
+        scale = torch.where(torch.isfinite(norms), torch.clamp(clip / norms, max=1.0), 0.0) / batch
+        total = rule.weighted_gradient(params, records, scale)
+        return product.proj_tangent(params, {g: total[g] + sigma * noise[g] for g in product.groups})
     grads = per_sample_gradients(loss_fn, params, records)
     charts = {g: m.tangent_coordinates(params[g]) for g, m in product.groups.items()}
     coords = {g: charts[g].coordinates(grads[g]) for g in product.groups}

@@ -8,11 +8,16 @@ that returns :class:`Table` objects; :func:`write_outputs` turns them into ``res
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import os
+import shutil
+import socket
 import statistics
-from concurrent.futures import ProcessPoolExecutor
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -92,32 +97,118 @@ def fmt_median(values: Sequence[float]) -> MedianIQR:
     return MedianIQR(median_iqr(values))
 
 
+def job_directory_name(overrides: Sequence[str]) -> str:
+    """The run directory of one job of a study: a digest of its overrides, the same in every run of
+    the study, so that a re-run in the same output directory finds the jobs already finished."""
+    return "job-" + hashlib.sha256("\n".join(overrides).encode()).hexdigest()[:16]
+
+
+def _finished_summary(path: Path) -> Optional[dict]:
+    """The summary of a job that ran to its end (all rounds, or halted at its budget), else None."""
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    done = summary.get("rounds_completed") == summary.get("rounds_planned") or summary.get("halted")
+    return summary if done and summary.get("final_metrics") else None
+
+
 def _run_one(job: tuple[list[str], str]) -> dict:
     from rfedray.config import load_config
     from rfedray.federated.loop import run_federation
-    from rfedray.federated.rundir import RunDirectory, new_run_id
+    from rfedray.federated.rundir import RunDirectory
 
     overrides, output_dir = job
-    cfg = load_config(None, [*overrides, f"run.output_dir={output_dir}", "monitoring.progress=false"])
-    rd = RunDirectory.create(output_dir, new_run_id(cfg.run.name))
-    summary = run_federation(cfg, rd)
-    summary["run_dir"] = str(rd.path)
+    path = Path(output_dir) / job_directory_name(overrides)
+    summary = _finished_summary(path)
+    if summary is not None:
+        summary["reused"] = True
+    else:
+        if path.exists():
+            shutil.rmtree(path)  # an unfinished run (the study was interrupted): run it again
+        cfg = load_config(None, [*overrides, f"run.output_dir={output_dir}", "monitoring.progress=false"])
+        summary = run_federation(cfg, RunDirectory.create(output_dir, path.name))
+        summary["reused"] = False
+    summary["run_dir"] = str(path)
+    summary["ran_on"] = {"host": socket.gethostname(), "pid": os.getpid()}
     return summary
+
+
+class _Progress:
+    """One stderr line per finished job: count, reused jobs, mean time of the jobs run, estimate of the rest."""
+
+    def __init__(self, total: int, workers: int):
+        self.total, self.workers, self.done, self.reused = total, workers, 0, 0
+        self.started = time.perf_counter()
+
+    def finished(self, summary: dict) -> None:
+        self.done += 1
+        self.reused += bool(summary.get("reused"))
+        ran = self.done - self.reused
+        elapsed = time.perf_counter() - self.started
+        rest = (self.total - self.done) * elapsed / ran if ran else float("nan")
+        print(f"study: {self.done}/{self.total} runs ({self.reused} reused from an earlier run), "
+              f"{elapsed:.0f} s, about {rest / 60:.0f} min left", file=sys.stderr, flush=True)
 
 
 def run_many(jobs: Sequence[list[str]], output_dir: Path, workers: Optional[int] = None) -> list[dict]:
     """Run federations (each a list of overrides on the default config), ``workers`` at a time.
 
     Each federation runs with the local engine in its own process; the studies parallelise over
-    runs (seeds, settings), which is what keeps a 2-core laptop busy.
+    runs (seeds, settings), which is what keeps a 2-core laptop busy. When this process is connected
+    to Ray, every job is a Ray task instead (``workers`` is then the cluster's CPUs). Every job has its own run
+    directory named by its overrides (:func:`job_directory_name`): a study interrupted and started
+    again in the same output directory reuses the jobs that finished and runs the others afresh.
+    Progress goes to stderr, one line per job.
     """
     workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
     output_dir.mkdir(parents=True, exist_ok=True)
     args = [(list(job), str(output_dir)) for job in jobs]
+    progress = _Progress(len(args), workers)
+    if _ray_is_running():
+        return _run_on_ray(args, progress)
     if workers == 1:
-        return [_run_one(a) for a in args]
+        import torch
+
+        threads = torch.get_num_threads()
+        _single_thread()  # as in the pool's processes: the same bits whatever ``workers``
+        try:
+            results = []
+            for a in args:
+                results.append(_run_one(a))
+                progress.finished(results[-1])
+            return results
+        finally:
+            torch.set_num_threads(threads)
     with ProcessPoolExecutor(max_workers=workers, initializer=_single_thread) as pool:
-        return list(pool.map(_run_one, args))
+        futures = [pool.submit(_run_one, a) for a in args]
+        for future in as_completed(futures):
+            progress.finished(future.result())
+        return [f.result() for f in futures]
+
+
+def _ray_is_running() -> bool:
+    """Whether this process is connected to Ray (``rfedray experiment ... ray=local|ADDRESS``)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+def _run_on_ray(args: list, progress: _Progress) -> list[dict]:
+    """One Ray task (one CPU, one torch thread) per job, across the cluster; the output directory
+    must be shared by the nodes that run them (a local instance, or a shared file system)."""
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def job(a):
+        _single_thread()
+        return _run_one(a)
+
+    refs = [job.remote(a) for a in args]
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        progress.finished(ray.get(done[0]))
+    return ray.get(refs)
 
 
 def run_grid(jobs: dict, output_dir: Path, workers: Optional[int] = None) -> dict:

@@ -12,7 +12,7 @@ from rfedray.studies.base import SCALES
 
 
 def _parse(items: list[str]) -> dict[str, str]:
-    options = {"scale": "full", "out": "", "workers": "", "seeds": ""}
+    options = {"scale": "full", "out": "", "workers": "", "seeds": "", "dataset": "", "ray": ""}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in options:
@@ -33,16 +33,28 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             study = get_study(name)
             t = study.laptop_minutes
             print(f"{name:24s} {t['tiny']:>6g} m {t['full']:>8g} m  {study.description}")
-        print("\nexpected run times on a 2-core laptop-class CPU; run one with: rfedray experiment NAME [scale=tiny|full] [out=DIR] [workers=N]")
+        print("\nexpected run times on a 2-core laptop-class CPU; run one with: rfedray experiment NAME [scale=tiny|full] [out=DIR] [workers=N] [seeds=N] [dataset=NAME] [ray=local|ADDRESS]")
         return 0
     options = _parse(args.items)
     study = get_study(args.name)
+    if options["dataset"]:
+        if not hasattr(study, "dataset"):
+            raise RfedrayError(f"dataset=: study {args.name!r} has no dataset to choose (the EEG studies do)")
+        study = type(study)(options["dataset"])
     out = Path(options["out"] or f"experiments/{args.name}-{options['scale']}-{time.strftime('%Y%m%d-%H%M%S')}")
     workers = int(options["workers"]) if options["workers"] else None
     extra = {"seeds": int(options["seeds"])} if options["seeds"] else {}
     if extra and not getattr(study, "accepts_seeds", False):
         raise RfedrayError(f"seeds=: study {args.name!r} has no seeds to choose")
-    report = study.run(out, options["scale"], workers=workers, **extra)
+    if options["ray"]:
+        import ray
+
+        ray.init(address=options["ray"], include_dashboard=False, log_to_driver=False)
+    try:
+        report = study.run(out, options["scale"], workers=workers, **extra)
+    finally:
+        if options["ray"]:
+            ray.shutdown()
     print(report)
     return 0
 
@@ -53,6 +65,8 @@ def register(subparsers) -> None:
         description="Run a named study over seeds and write results.csv/json, PNG figures and report.md.",
     )
     parser.add_argument("name", nargs="?", help="study name (see --list)")
-    parser.add_argument("items", nargs="*", metavar="key=value", help="scale=tiny|full, out=DIR, workers=N, seeds=N (fewer seeds than the paper's 10, for a quick look)")
+    parser.add_argument("items", nargs="*", metavar="key=value", help="scale=tiny|full, out=DIR (a re-run with the same DIR reuses the finished runs), workers=N, "
+                        "seeds=N (fewer seeds than the paper's 10, for a quick look), dataset=NAME (EEG studies), "
+                        "ray=local|ADDRESS (one Ray task per run, on a local instance or a cluster)")
     parser.add_argument("--list", action="store_true", help="list the studies with their expected run time")
     parser.set_defaults(func=cmd_experiment)
