@@ -89,6 +89,7 @@ def test_no_client_value_leaks_through_metrics_logs_or_summary(tmp_path):
                "aggregation_seconds", "local_train_seconds", "metric_loss", "metric_gap", "metric_distance"}
     for record in records:
         assert set(record) <= allowed, set(record) - allowed
+        assert record["local_train_seconds"] == sorted(record["local_train_seconds"])  # no client order
     summary = json.loads((run_dir / "summary.json").read_text())
     assert not any("client" in key and key not in ("client_failures",) for key in summary)
     # The log never prints records or gradients.

@@ -178,7 +178,7 @@ class Federation:
                 "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
                 "round_seconds": time.perf_counter() - round_start,
                 "aggregation_seconds": agg_seconds,
-                "local_train_seconds": [r.train_seconds for r in answered.values()],
+                "local_train_seconds": sorted(r.train_seconds for r in answered.values()),  # no client order
                 **{f"metric_{k}": v for k, v in last_metrics.items()},
             }
             rd.append_metrics(record)
