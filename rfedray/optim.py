@@ -188,7 +188,7 @@ class LocalOptimizer(ABC):
         if self.weight_decay:
             g = g + self.weight_decay * self.manifold.proj_tangent(x, x)
         u, self.state = self.update(x, g, self.state, lr)
-        return self.manifold.project(x - u)
+        return self.manifold.project_step(x, -u)
 
     def state_dict(self) -> dict[str, Any]:
         """A copy of the optimiser state: ``{"optimizer": class name, "state": {name: Tensor}}``."""

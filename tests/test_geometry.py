@@ -117,6 +117,42 @@ def test_grassmann_projection_is_top_eigenspace(dp, seed):
     np.testing.assert_allclose(Grassmann(d, p).project(y).numpy(), top @ top.T, atol=TOL)
 
 
+@fast
+@given(st.integers(12, 64).flatmap(lambda d: st.tuples(st.just(d), st.integers(1, (d - 8) // 4))), seeds,
+       st.sampled_from([1e-4, 0.1, 1.0, 10.0]))
+def test_grassmann_project_step_is_the_top_eigenspace_of_x_plus_v(dp, seed, scale):
+    """The sketched Rayleigh-Ritz step equals numpy's top eigenspace of X + V for steps from tiny to
+    far larger than the manifold (2p + 4 <= d / 2: the sketched branch)."""
+    d, p = dp
+    m = Grassmann(d, p)
+    g = torch.Generator().manual_seed(seed)
+    x = m.random_point(generator=g)
+    v = scale * m.proj_tangent(x, torch.randn(d, d, generator=g, dtype=F64))
+    _, vecs = np.linalg.eigh((x + v).numpy())
+    top = vecs[:, -p:]
+    np.testing.assert_allclose(m.project_step(x, v).numpy(), top @ top.T, atol=1e-10)
+
+
+@pytest.mark.parametrize("d, p", [(40, 4), (40, 8), (26, 8), (10, 1)])
+def test_grassmann_project_step_in_float32_batched_and_its_fallbacks(d, p):
+    """Batches and float32 points (the local step's) agree with Pi(x + v) to float32 rounding; where
+    the sketch is not smaller than d / 2, or a gradient flows, it is Pi(x + v) itself."""
+    m = Grassmann(d, p)
+    g = torch.Generator().manual_seed(d + p)
+    x = m.random_point(6, generator=g)
+    v = m.proj_tangent(x, 0.2 * torch.randn(6, d, d, generator=g, dtype=F64))
+    x32, v32 = x.float(), v.float()
+    step = m.project_step(x32, v32)
+    assert step.dtype == torch.float32 and step.shape == (6, d, d)
+    torch.testing.assert_close(step, m.project(x32 + v32), rtol=0, atol=2e-7)
+    torch.testing.assert_close(step @ step, step, rtol=0, atol=5e-7)
+    if 2 * (2 * p + 4) > d:
+        assert torch.equal(step, m.project(x32 + v32))
+    live = v.clone().requires_grad_(True)
+    out = m.project_step(x, live)
+    (grad,) = torch.autograd.grad(out.sum(), live)
+    assert torch.isfinite(grad).all()
+
 
 def tangent_matrix(m: Manifold, x: torch.Tensor) -> torch.Tensor:
     """The matrix of ``P_x`` acting on the flattened ambient space."""

@@ -3,10 +3,11 @@
 The clients hosted by one executor (the local engine, or a client actor of the Ray engine) share the
 model, the local plan and the optimiser configuration, and start a round from the same theta_t. Their
 tau local steps are then the same computation on different minibatches, noise and optimiser states,
-so :func:`train_together` runs each step once for all of them: the gradient is ``torch.func.vmap``
-over a leading client dimension of the parameters, minibatches and noise (per-sample gradients
-become one ``vmap`` over clients and records), and the optimisers step the stacked parameters and
-states directly (manifold operations broadcast over leading dimensions, and the learning rate is
+so :func:`train_together` runs each step once for all of them: the gradient is computed over a
+leading client dimension of the parameters, minibatches and noise (broadcasting through the model's
+closed-form per-record gradients where it has them, else ``torch.func.vmap`` over clients, so that
+per-sample gradients become one ``vmap`` over clients and records), and the optimisers step the
+stacked parameters and states directly (manifold operations broadcast over leading dimensions, and the learning rate is
 the same for every client of the round).
 
 The randomness is exactly the one-by-one randomness: every client draws its minibatch indices and
@@ -33,7 +34,6 @@ from typing import Any, Hashable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
-from torch.func import vmap
 
 from rfedray.federated.client import Client, LocalResult, round_generator
 from rfedray.task import Params
@@ -124,7 +124,6 @@ def train_together(
     for c, s in zip(clients, states):
         c._load_optimizer_state(s)
     state = {name: _stack_state([c._optimizers[name].state for c in clients]) for name in lead._optimizers}
-    gradient = vmap(lead._gradient, in_dims=(0, 0, 0 if plan.private else None))
     params = {g: torch.stack([value] * k) for g, value in theta.items()}
     try:
         for j in range(plan.local_steps):
@@ -132,7 +131,7 @@ def train_together(
             minibatches = [c._minibatch(index) for c, (index, _) in zip(clients, draws)]
             batch = tuple(torch.stack(parts) for parts in zip(*minibatches))
             noise = {g: torch.stack([n[g] for _, n in draws]) for g in theta} if plan.private else None
-            grad = gradient(params, batch, noise)
+            grad = lead._gradients_of_clients(params, batch, noise)
             for name, opt in lead._optimizers.items():
                 opt.state = state[name]
                 params[name] = opt.step(params[name], grad[name], round_index * plan.local_steps + j)

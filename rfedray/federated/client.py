@@ -21,13 +21,14 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 from torch import Tensor
+from torch.func import vmap
 
 from rfedray import aggregation
 from rfedray.config import OptimizerConfig
 from rfedray.geometry import ProductManifold
 from rfedray.optim import build_optimizer
 from rfedray.privacy.mechanism import (
-    noise_generator, nonprivate_gradient, private_gradient_with_noise, sample_batch, standard_noise,
+    noise_generator, nonprivate_gradient, private_gradient_with_noise, rule_gradient, sample_batch, standard_noise,
 )
 from rfedray.task import ClientData, FederatedModel, Params
 
@@ -173,6 +174,16 @@ class Client:
                 clip=self.plan.clip, sigma=self.plan.sigma, noise=noise, rule=self.model.gradient_rule,
             )
         return nonprivate_gradient(self.model.per_sample_loss, params, self.product, batch)
+
+    def _gradients_of_clients(self, params: Params, batch: tuple[Tensor, ...], noise: Optional[Params]) -> Params:
+        """:meth:`_gradient` of K clients sharing this client's model and plan, in one call: every
+        input has a leading client dimension. With the model's closed-form per-record gradients
+        the operations broadcast over it (:func:`rule_gradient`); otherwise ``vmap`` over clients."""
+        rule = self.model.gradient_rule
+        if self.plan.private and rule is not None:
+            return rule_gradient(rule, params, self.product, batch, clip=self.plan.clip, sigma=self.plan.sigma,
+                                 noise=noise, batch_size=self.plan.batch_size)
+        return vmap(self._gradient, in_dims=(0, 0, 0 if self.plan.private else None))(params, batch, noise)
 
     def local_train(self, theta: Params, round_index: int, optimizer_state: Optional[dict] = None) -> LocalResult:
         """Run tau local steps from ``theta`` and return the scheme's submission.

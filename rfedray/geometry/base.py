@@ -123,6 +123,27 @@ class Manifold(ABC):
     def proj_tangent(self, x: Tensor, z: Tensor) -> Tensor:
         """Orthogonal projection ``P_x z`` onto ``T_x M``; ``x`` broadcasts against ``z``."""
 
+    def project_step(self, x: Tensor, v: Tensor) -> Tensor:
+        """``Pi(x + v)`` for ``v`` in ``T_x M``: the local optimisers' step ``x <- Pi(x - u)``.
+
+        The same map as the projection retraction; a manifold overrides it when knowing that ``x``
+        is on ``M`` and ``v`` tangent makes ``Pi`` cheaper (:class:`~rfedray.geometry.Grassmann`).
+
+        Parameters
+        ----------
+        x : Tensor
+            Points of ``M``, shape ``(..., *shape)``.
+        v : Tensor
+            Tangent vectors at ``x``, shape ``(..., *shape)``.
+
+        Returns
+        -------
+        Tensor
+            Points of ``M``, the broadcast shape of ``x`` and ``v``.
+        """
+        self._check_shape("v", v)
+        return self.project(x + v)
+
     def retract(self, x: Tensor, v: Tensor) -> Tensor:
         """Projection retraction ``R_x(v) = Pi(x + v)`` for ``v`` in ``T_x M``.
 
@@ -138,8 +159,7 @@ class Manifold(ABC):
         Tensor
             Points of ``M``, the broadcast shape of ``x`` and ``v``.
         """
-        self._check_shape("v", v)
-        return self.project(x + v)
+        return self.project_step(x, v)
 
     @abstractmethod
     def inv_retract(self, x: Tensor, y: Tensor) -> Tensor:

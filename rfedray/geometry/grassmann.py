@@ -122,6 +122,7 @@ class Grassmann(Manifold):
         self.shape = (self.d, self.d)
         self.dim = self.p * (self.d - self.p)
         self.ambient_dim = self.d * (self.d + 1) // 2
+        self._sketches: dict[tuple, Tensor] = {}
 
     def project(self, y: Tensor) -> Tensor:
         """``Pi(Y) = V_p V_p^T`` for the top-``p`` eigenvectors ``V_p`` of ``sym(Y)``.
@@ -139,6 +140,49 @@ class Grassmann(Manifold):
         """
         self._check_shape("y", y)
         return _TopEigenprojector.apply(sym(y), self.p)[0]
+
+    def project_step(self, x: Tensor, v: Tensor) -> Tensor:
+        """``Pi(X + V)`` for tangent ``V``, by Rayleigh-Ritz on a ``2p``-dimensional subspace.
+
+        With ``X = U U^T`` and ``V = U B^T + B U^T`` (``U^T B = 0``), ``Y = X + V`` has rank at most
+        ``2p``: its range is in ``span(U, B)``, and its top-``p`` eigenspace is ``Pi(Y)``. A basis
+        ``Q`` of ``Y Omega`` (``Omega`` a fixed ``d x (2p + 4)`` orthonormal sketch) contains that
+        range, so the top-``p`` eigenvectors ``W`` of the small ``Q^T Y Q`` give ``Pi(Y) = (Q W)(Q W)^T``
+        (the eigenvalues of ``Y`` are ``(1 + sqrt(1 + 4 s^2)) / 2 >= 1`` for the singular values
+        ``s`` of ``B``, and ``<= 0`` otherwise, so the top ``p`` are separated by a gap >= 1). The
+        sketch sees the top eigenspace through the ``p x (2p + 4)`` matrix ``U^T Omega``; the error
+        is the rounding of ``Y`` over its smallest singular value, which is below ``e`` with
+        probability of order ``e^(p + 5)`` for a subspace in general position. Cost: ``O(d^2 p)`` and an eigendecomposition
+        of size ``2p + 4`` instead of ``d``; in float64, like :meth:`project`, which it matches to
+        rounding (``tests/test_geometry.py``). Falls back to :meth:`project` when ``2p + 4 > d / 2``
+        or when a gradient flows (``eigh``'s backward at the repeated zero Ritz values is not finite).
+
+        Parameters
+        ----------
+        x : Tensor
+            Points of Gr, shape ``(..., d, d)``.
+        v : Tensor
+            Tangent vectors at ``x``, shape ``(..., d, d)``.
+        """
+        self._check_shape("v", v)
+        width = 2 * self.p + 4
+        if 2 * width > self.d or (torch.is_grad_enabled() and (x.requires_grad or v.requires_grad)):
+            return self.project(x + v)
+        y = sym(x + v).to(working_dtype(x.dtype))
+        q = torch.linalg.qr(y @ self._sketch(width, y)).Q
+        w = torch.linalg.eigh(q.mT @ y @ q)[1][..., -self.p:]
+        u = q @ w
+        return (u @ u.mT).to(x.dtype)
+
+    def _sketch(self, width: int, like: Tensor) -> Tensor:
+        """The fixed ``d x width`` orthonormal test matrix of :meth:`project_step` (seed 0), on the
+        device and in the dtype of ``like``."""
+        key = (width, like.device, like.dtype)
+        if key not in self._sketches:
+            g = torch.Generator().manual_seed(0)
+            omega = torch.linalg.qr(torch.randn(self.d, width, generator=g, dtype=torch.float64)).Q
+            self._sketches[key] = omega.to(device=like.device, dtype=like.dtype)
+        return self._sketches[key]
 
     def proj_tangent(self, x: Tensor, z: Tensor) -> Tensor:
         """``P_X(Z) = X Zs + Zs X - 2 X Zs X`` with ``Zs = sym(Z)``; ``x`` broadcasts against ``z``.

@@ -36,17 +36,17 @@ class ProjectorGradients:
 
     @staticmethod
     def tangent_norms(params: Params, records: tuple[Tensor, ...]) -> Tensor:
-        """Shape ``(B,)`` for records ``z`` of shape ``(B, d)``."""
+        """Shape ``(..., B)`` for records ``z`` of shape ``(..., B, d)`` and ``P`` of shape ``(..., d, d)``."""
         (z,) = records
         a = z @ params[GROUP]
         return (2.0 ** 0.5) * torch.linalg.vector_norm(a, dim=-1) * torch.linalg.vector_norm(z - a, dim=-1)
 
     @staticmethod
     def weighted_gradient(params: Params, records: tuple[Tensor, ...], weights: Tensor) -> Params:
-        """``-sum_l w_l z_l z_l^T``, shape ``(d, d)``; records of weight 0 are left out exactly."""
+        """``-sum_l w_l z_l z_l^T``, shape ``(..., d, d)``; records of weight 0 are left out exactly."""
         (z,) = records
-        kept = torch.where((weights != 0)[:, None], z, 0.0)
-        return {GROUP: -(kept.mT * weights) @ kept}
+        kept = torch.where((weights != 0)[..., None], z, 0.0)
+        return {GROUP: -(kept.mT * weights[..., None, :]) @ kept}
 
 
 class GrassmannPCA:

@@ -47,6 +47,8 @@ def real_number(name: str, value: Any) -> float:
 
 
 def _integer(name: str, value: Any) -> int:
+    if type(value) is int:  # the common case, without the slower ABC checks (every local step samples)
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         if isinstance(value, numbers.Real) and float(value).is_integer():
             return int(value)

@@ -41,14 +41,17 @@ class PerSampleRule(Protocol):
     gradients. :func:`private_gradient_with_noise` then equals the generic ``vmap(grad)`` path to
     rounding; a wrong norm would break the sensitivity bound, so every rule is tested against it
     (``tests/test_mechanism.py``).
+
+    Both methods broadcast over leading dimensions (several clients at once: parameters
+    ``(K, *shape_g)``, records ``(K, B, ...)``), which :func:`rule_gradient` relies on.
     """
 
     def tangent_norms(self, params: Params, records: tuple[Tensor, ...]) -> Tensor:
-        """``||P_theta g_l||`` joint over the groups, shape ``(B,)``."""
+        """``||P_theta g_l||`` joint over the groups, shape ``(..., B)``."""
 
     def weighted_gradient(self, params: Params, records: tuple[Tensor, ...], weights: Tensor) -> Params:
-        """``sum_l w_l g_l`` (ambient, not projected), ``{g: (*shape_g)}``; ``weights`` has shape
-        ``(B,)`` and a record with weight 0 contributes exactly 0, even if its values are not finite."""
+        """``sum_l w_l g_l`` (ambient, not projected), ``{g: (..., *shape_g)}``; ``weights`` has shape
+        ``(..., B)`` and a record with weight 0 contributes exactly 0, even if its values are not finite."""
 
 
 def noise_generator(seed: Optional[int], device: str | torch.device = "cpu") -> torch.Generator:
@@ -255,10 +258,7 @@ def private_gradient_with_noise(
     batch = _check_records(records)
     product.check_groups("noise", noise)
     if rule is not None:
-        norms = rule.tangent_norms(params, records)
-        scale = torch.where(torch.isfinite(norms), torch.clamp(clip / norms, max=1.0), 0.0) / batch
-        total = rule.weighted_gradient(params, records, scale)
-        return product.proj_tangent(params, {g: total[g] + sigma * noise[g] for g in product.groups})
+        return rule_gradient(rule, params, product, records, clip=clip, sigma=sigma, noise=noise, batch_size=batch)
     grads = per_sample_gradients(loss_fn, params, records)
     charts = {g: m.tangent_coordinates(params[g]) for g, m in product.groups.items()}
     coords = {g: charts[g].coordinates(grads[g]) for g in product.groups}
@@ -272,6 +272,51 @@ def private_gradient_with_noise(
         g: charts[g].vector(part.view(coords[g].shape[1:]) + sigma * charts[g].coordinates(noise[g]))
         for (g, part) in zip(coords, parts)
     }
+
+
+def rule_gradient(
+    rule: PerSampleRule,
+    params: Params,
+    product: ProductManifold,
+    records: tuple[Tensor, ...],
+    *,
+    clip: float,
+    sigma: float,
+    noise: Params,
+    batch_size: int,
+) -> Params:
+    """:func:`private_gradient_with_noise` through a model's :class:`PerSampleRule`, over any
+    leading dimensions::
+
+        s_l = min(1, C / ||P g_l||) (0 if not finite),   g = P ( sum_l (s_l / B) g_l + sigma xi ).
+
+    Several clients' steps are one call with a leading client dimension on ``params``, ``records``
+    and ``noise``, without ``vmap`` (:mod:`rfedray.federated.batched`); every operation computes each
+    client's slice as it would alone. Arguments are not checked here (the callers have).
+
+    Parameters
+    ----------
+    rule : PerSampleRule
+    params : dict of Tensor
+        ``{g: (..., *shape_g)}``.
+    product : ProductManifold
+    records : tuple of Tensor
+        Each ``(..., B, ...)``.
+    clip, sigma : float
+    noise : dict of Tensor
+        ``{g: (..., *shape_g)}`` standard Gaussian.
+    batch_size : int
+        ``B``.
+
+    Returns
+    -------
+    dict of Tensor
+        ``{g: (..., *shape_g)}``, tangent at ``params``.
+    """
+    norms = rule.tangent_norms(params, records)
+    scale = torch.where(torch.isfinite(norms), torch.clamp(clip / norms, max=1.0), 0.0) / batch_size
+    total = rule.weighted_gradient(params, records, scale)
+    return product.proj_tangent(params, {g: total[g] + sigma * noise[g] for g in product.groups})
 
 
 def nonprivate_gradient(
