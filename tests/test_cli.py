@@ -92,6 +92,7 @@ def test_experiment_list_names_every_study_with_its_times():
     (["noise-ratio", "dataset=PhysionetMI"], "dataset=: study 'noise-ratio' has no dataset to choose"),
     (["eeg-centralised", "dataset=Lee2019", "scale=tiny"], "dataset='Lee2019': the EEG studies run PhysionetMI"),
     (["no-such-study"], "experiment 'no-such-study': unknown study"),
+    (["noise-ratio", "data.options.radius=0.5"], "data.options.radius=0.5: study 'noise-ratio' takes no config overrides"),
 ])
 def test_experiment_bad_options_are_one_line_errors(args, message):
     out = rfedray("experiment", *args)

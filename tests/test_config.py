@@ -35,6 +35,8 @@ BAD = [
     (["data.source=imagenet"], "data.source"),
     (["data.options.p=40"], "data.options.p"),
     (["data.options.dd=3"], "data.options.dd"),
+    (["data.options.radius=0"], "data.options.radius"),
+    (["data.options.radius=inf"], "data.options.radius"),
     (["monitoring.metrics_port=70000"], "monitoring.metrics_port"),
     (["privacy.epsilon=null", "privacy.sigma=null"], "privacy.epsilon"),
     (["optim.default.momentum=1.0"], "optim.default.momentum"),

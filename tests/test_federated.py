@@ -157,3 +157,14 @@ def test_resume_of_corrupt_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(RfedrayError, match="unreadable"):
         run_federation(load_config(rd.config), rd, resume=True)
     assert rd.summary.is_file()
+
+
+def test_synthetic_pca_records_have_the_chosen_radius():
+    from rfedray.config import load_config
+    from rfedray.federated.setup import build_dataset
+
+    for radius in (1.0, 0.7):
+        cfg = load_config(None, ["data.options.d=8", "data.options.p=2", "data.options.records_per_client=30",
+                                 f"data.options.radius={radius}"])
+        (z,) = build_dataset(cfg).client_data(0).train
+        torch.testing.assert_close(torch.linalg.vector_norm(z, dim=1), torch.full((30,), radius), rtol=1e-6, atol=0)

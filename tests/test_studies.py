@@ -110,3 +110,13 @@ def test_a_study_connected_to_ray_runs_each_job_as_a_ray_task(tmp_path):
     assert all(s["ran_on"]["pid"] != os.getpid() for s in on_ray)
     assert all(s["ran_on"]["pid"] == os.getpid() for s in here)
     assert [s["final_metrics"] for s in on_ray] == [s["final_metrics"] for s in here]
+
+
+def test_config_overrides_reach_every_run_of_a_study(tmp_path):
+    import yaml
+
+    report = get_study("fedpca-participation").run(tmp_path, "tiny", workers=2, seeds=1,
+                                                   overrides=["data.options.radius=0.5"])
+    assert "Every run also with: `data.options.radius=0.5`" in report.read_text()
+    configs = [yaml.safe_load(path.read_text()) for path in (tmp_path / "runs").glob("job-*/config.yaml")]
+    assert configs and all(c["data"]["options"]["radius"] == 0.5 for c in configs)

@@ -2,9 +2,10 @@
 
 Client ``i`` draws records ``z ~ N(0, Sigma_i)`` with ``Sigma_i = U_i diag(lambda) U_i^T + s^2 I``,
 where ``U_i = Pi_St(U + h G_i)`` perturbs a common orthonormal basis ``U`` (d x p) by a client-specific
-Gaussian matrix ``G_i`` scaled by the heterogeneity ``h``. Records are normalised to unit norm, so
-every per-record gradient of the PCA loss ``-z^T P z`` is bounded (the clip then acts on a known
-scale). The pooled covariance of all training records defines the optimum ``P*`` that the
+Gaussian matrix ``G_i`` scaled by the heterogeneity ``h``. Records are normalised to the norm
+``radius`` (default 1), so every per-record gradient of the PCA loss ``-z^T P z`` is bounded: its
+tangent norm ``sqrt(2) ||P z|| ||(I - P) z||`` is at most ``radius^2 / sqrt(2)``, below a clip ``C``
+(where clipping never binds) when ``radius <= (sqrt(2) C)^(1/2)``. The pooled covariance of all training records defines the optimum ``P*`` that the
 optimality gap is measured against.
 
 Everything is a deterministic function of ``(seed, client_id)``, so any process can regenerate
@@ -35,6 +36,7 @@ class Options:
     heterogeneity: float = 0.1
     eigengap: float = 1.0
     noise_std: float = 0.3
+    radius: float = 1.0
     dtype: str = "float32"
 
     def validate(self, prefix: str) -> None:
@@ -52,6 +54,8 @@ class Options:
             raise ConfigError(f"{prefix}.eigengap", self.eigengap, "must be > 0")
         if self.noise_std < 0:
             raise ConfigError(f"{prefix}.noise_std", self.noise_std, "must be >= 0")
+        if not (self.radius > 0 and np.isfinite(self.radius)):
+            raise ConfigError(f"{prefix}.radius", self.radius, "must be finite and > 0")
         if self.dtype not in DTYPES:
             raise ConfigError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
 
@@ -111,7 +115,7 @@ class SyntheticPCA:
         rng = _rng(self.seed, 3, client_id)
         factor = self._client_covariance_factor(client_id)
         z = rng.standard_normal((m, factor.shape[1])) @ factor.T
-        return z / np.linalg.norm(z, axis=1, keepdims=True)
+        return o.radius * z / np.linalg.norm(z, axis=1, keepdims=True)
 
     def client_data(self, client_id: int) -> ClientData:
         if not (0 <= client_id < self.num_clients):

@@ -13,16 +13,22 @@ from rfedray.studies.base import SCALES
 
 def _parse(items: list[str]) -> dict[str, str]:
     options = {"scale": "full", "out": "", "workers": "", "seeds": "", "dataset": "", "ray": ""}
+    overrides = []
     for item in items:
         key, sep, value = item.partition("=")
+        if sep and "." in key:
+            overrides.append(item)
+            continue
         if not sep or key not in options:
-            raise RfedrayError(f"experiment option {item!r}: allowed are " + ", ".join(f"{k}=..." for k in options))
+            raise RfedrayError(f"experiment option {item!r}: allowed are " + ", ".join(f"{k}=..." for k in options)
+                               + ", or a config override SECTION.KEY=VALUE")
         options[key] = value
     if options["scale"] not in SCALES:
         raise RfedrayError(f"scale={options['scale']!r}: must be one of " + ", ".join(SCALES))
     for key in ("workers", "seeds"):
         if options[key] and (not options[key].isdigit() or int(options[key]) < 1):
             raise RfedrayError(f"{key}={options[key]!r}: must be an integer >= 1")
+    options["overrides"] = overrides
     return options
 
 
@@ -46,6 +52,11 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     extra = {"seeds": int(options["seeds"])} if options["seeds"] else {}
     if extra and not getattr(study, "accepts_seeds", False):
         raise RfedrayError(f"seeds=: study {args.name!r} has no seeds to choose")
+    if options["overrides"]:
+        if not getattr(study, "accepts_overrides", False):
+            raise RfedrayError(f"{options['overrides'][0]}: study {args.name!r} takes no config overrides "
+                               "(the federated-PCA studies do)")
+        extra["overrides"] = options["overrides"]
     if options["ray"]:
         import ray
 
@@ -67,6 +78,7 @@ def register(subparsers) -> None:
     parser.add_argument("name", nargs="?", help="study name (see --list)")
     parser.add_argument("items", nargs="*", metavar="key=value", help="scale=tiny|full, out=DIR (a re-run with the same DIR reuses the finished runs), workers=N, "
                         "seeds=N (fewer seeds than the paper's 10, for a quick look), dataset=NAME (EEG studies), "
-                        "ray=local|ADDRESS (one Ray task per run, on a local instance or a cluster)")
+                        "ray=local|ADDRESS (one Ray task per run, on a local instance or a cluster), "
+                        "SECTION.KEY=VALUE (a config override applied to every run, after the study's own)")
     parser.add_argument("--list", action="store_true", help="list the studies with their expected run time")
     parser.set_defaults(func=cmd_experiment)

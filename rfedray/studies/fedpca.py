@@ -83,14 +83,15 @@ class FedPCADimension:
     laptop_minutes = {"tiny": 1, "full": 400}
 
     accepts_seeds = True
+    accepts_overrides = True
 
-    def run(self, out: Path, scale: str, workers=None, seeds=None) -> Path:
+    def run(self, out: Path, scale: str, workers=None, seeds=None, overrides=()) -> Path:
         sc = replace(SCALES[scale], seeds=seeds or SCALES[scale].seeds)
         settings = [(row[1], row[2]) for row in paper.TABLE9]
         settings = list(dict.fromkeys(settings))
         jobs = {
             (d, p, scheme, private, seed): base_overrides(sc, seed, d, p)
-            + [f"aggregation.scheme={scheme}", f"privacy.enabled={private}", "privacy.epsilon=1"]
+            + [f"aggregation.scheme={scheme}", f"privacy.enabled={private}", "privacy.epsilon=1", *overrides]
             for d, p in settings for scheme in ("projavg", "rlavg") for private in (True, False) for seed in range(sc.seeds)
         }
         summaries = run_grid(jobs, out / "runs", workers)
@@ -109,6 +110,7 @@ class FedPCADimension:
             sigma = summaries[(d, p, "projavg", True, 0)]["sigma"]
             sigma_by_setting[(d, p)] = sigma
             ours["eta sigma^2 d_M / k (1e-4)"] = 1e4 * 0.2 * sigma ** 2 * p * (d - p) / sc.k
+            ours["eta sigma^2 d_M / (4k) (1e-4)"] = ours["eta sigma^2 d_M / k (1e-4)"] / 4
             rows.append(Row(
                 label={"panel": panel, "d": d, "p": p, "d_M": p * (d - p), "D": d * (d + 1) // 2},
                 ours=ours,
@@ -118,8 +120,13 @@ class FedPCADimension:
                            fig_series, "intrinsic dimension d_M (d = 40)", "cost of privacy (1e-4)",
                            "Figure 2(a): cost of privacy vs d_M")]
         table = Table("Table 9: median cost of privacy at epsilon = 1 [IQR], units of 1e-4", rows,
-                      note="cost = median over seeds of gap(private) - gap(non-private) at the same seed.")
-        return write_outputs(out, "fedpca-dimension", [table], figures, preface=_preface(scale, sc))
+                      note="cost = median over seeds of gap(private) - gap(non-private) at the same seed. "
+                           "eta sigma^2 d_M / (4k) is the stationary excess loss of SGD whose update carries noise "
+                           "of variance eta^2 tau sigma^2 / k per intrinsic coordinate per round (Hessian H: "
+                           "E[F - F*] = tr(H S) / 2 with H S + S H = eta sigma^2 / k I), when clipping does not "
+                           "bind; clipping that scales the records' gradients by s on average weakens the "
+                           "restoring force and multiplies it by about 1 / s.")
+        return write_outputs(out, "fedpca-dimension", [table], figures, preface=_preface(scale, sc, overrides))
 
 
 class FedPCAParticipation:
@@ -130,14 +137,15 @@ class FedPCAParticipation:
     laptop_minutes = {"tiny": 1, "full": 200}
 
     accepts_seeds = True
+    accepts_overrides = True
 
-    def run(self, out: Path, scale: str, workers=None, seeds=None) -> Path:
+    def run(self, out: Path, scale: str, workers=None, seeds=None, overrides=()) -> Path:
         sc = replace(SCALES[scale], seeds=seeds or SCALES[scale].seeds)
         ks = sorted({max(1, sc.n // 10), max(1, sc.n // 5), max(1, sc.n // 2), sc.n})
         d, p = (40, 4) if scale == "full" else (10, 2)
         jobs = {
             (k, scheme, seed): base_overrides(sc, seed, d, p)
-            + [f"federation.clients_per_round={k}", f"aggregation.scheme={scheme}", "privacy.epsilon=1"]
+            + [f"federation.clients_per_round={k}", f"aggregation.scheme={scheme}", "privacy.epsilon=1", *overrides]
             for k in ks for scheme in ("projavg", "rlavg") for seed in range(sc.seeds)
         }
         summaries = run_grid(jobs, out / "runs", workers)
@@ -153,7 +161,7 @@ class FedPCAParticipation:
                            "Figure 2(c): effect of participation", logy=True)]
         table = Table("Figure 2(c): median optimality gap [IQR] vs k", rows,
                       note="The paper gives this panel as a figure only; no table values to compare.")
-        return write_outputs(out, "fedpca-participation", [table], figures, preface=_preface(scale, sc))
+        return write_outputs(out, "fedpca-participation", [table], figures, preface=_preface(scale, sc, overrides))
 
 
 class FedPCAAccounting:
@@ -164,8 +172,9 @@ class FedPCAAccounting:
     laptop_minutes = {"tiny": 2, "full": 500}
 
     accepts_seeds = True
+    accepts_overrides = True
 
-    def run(self, out: Path, scale: str, workers=None, seeds=None) -> Path:
+    def run(self, out: Path, scale: str, workers=None, seeds=None, overrides=()) -> Path:
         sc = replace(SCALES[scale], seeds=seeds or SCALES[scale].seeds)
         d, p = (40, 4) if scale == "full" else (10, 2)
         arms = [("projavg", "exact", None), ("rlavg", "exact", None), ("retavg", "exact", None), ("retavg", "prirfed", "paper")]
@@ -173,7 +182,7 @@ class FedPCAAccounting:
         jobs = {
             (eps, scheme, accountant, seed): base_overrides(sc, seed, d, p) + [
                 f"aggregation.scheme={scheme}", f"privacy.accountant={accountant}", f"privacy.epsilon={eps}",
-                f"optim.default.lr={paper.TABLE10[eps][5] if lr == 'paper' else 0.2}",
+                f"optim.default.lr={paper.TABLE10[eps][5] if lr == 'paper' else 0.2}", *overrides,
             ]
             for eps in epsilons for scheme, accountant, lr in arms for seed in range(sc.seeds)
         }
@@ -198,9 +207,12 @@ class FedPCAAccounting:
                            "Figure 2(d): accounting", logy=True)]
         table = Table("Table 10: noise level and median optimality gap [IQR]", rows,
                       note="PriRFed = RetAvg at the noise of PriRFed's round-level accounting, with its tuned step size.")
-        return write_outputs(out, "fedpca-accounting", [table], figures, preface=_preface(scale, sc))
+        return write_outputs(out, "fedpca-accounting", [table], figures, preface=_preface(scale, sc, overrides))
 
 
-def _preface(scale: str, sc: Scale) -> str:
-    return (f"Scale `{scale}`: n={sc.n}, k={sc.k}, m={sc.m}, tau={sc.tau}, B={sc.batch}, T={sc.rounds}, "
-            f"{sc.seeds} seeds, clip C={FITTED_CLIP} (fitted to Table 10's sigma column).\n")
+def _preface(scale: str, sc: Scale, overrides: Sequence[str] = ()) -> str:
+    text = (f"Scale `{scale}`: n={sc.n}, k={sc.k}, m={sc.m}, tau={sc.tau}, B={sc.batch}, T={sc.rounds}, "
+            f"{sc.seeds} seeds, clip C={FITTED_CLIP} (fitted to Table 10's sigma column).")
+    if overrides:
+        text += " Every run also with: " + ", ".join(f"`{o}`" for o in overrides) + "."
+    return text + "\n"
