@@ -46,8 +46,9 @@ def base_overrides(scale: Scale, seed: int, d: int, p: int) -> list[str]:
     ]
 
 
-def _gaps(summaries: Sequence[dict]) -> list[float]:
-    return [s["final_metrics"]["gap"] for s in summaries]
+def _seed_gaps(summaries: dict, key: tuple, seeds: int) -> list[float]:
+    """The final optimality gap of the job ``(*key, seed)`` for every seed."""
+    return [summaries[(*key, s)]["final_metrics"]["gap"] for s in range(seeds)]
 
 
 def _figure(path: Path, xs, series: dict[str, list], xlabel: str, ylabel: str, title: str, logy: bool = False) -> str:
@@ -100,10 +101,8 @@ class FedPCADimension:
         for panel, d, p, d_m, ambient, k, predicted, paper_proj, paper_rl in paper.TABLE9:
             ours = {}
             for scheme, label in (("projavg", "ProjAvg"), ("rlavg", "RLAvg")):
-                paired = [
-                    1e4 * (summaries[(d, p, scheme, True, s)]["final_metrics"]["gap"] - summaries[(d, p, scheme, False, s)]["final_metrics"]["gap"])
-                    for s in range(sc.seeds)
-                ]
+                paired = [1e4 * (private - plain) for private, plain in zip(
+                    _seed_gaps(summaries, (d, p, scheme, True), sc.seeds), _seed_gaps(summaries, (d, p, scheme, False), sc.seeds))]
                 ours[label] = fmt_median(paired)
                 if panel == "a":
                     fig_series[label].append(median_iqr(paired))
@@ -153,7 +152,7 @@ class FedPCAParticipation:
         for k in ks:
             ours = {}
             for scheme, label in (("projavg", "ProjAvg"), ("rlavg", "RLAvg")):
-                gaps = [summaries[(k, scheme, s)]["final_metrics"]["gap"] for s in range(sc.seeds)]
+                gaps = _seed_gaps(summaries, (k, scheme), sc.seeds)
                 ours[label] = fmt_median(gaps)
                 series[label].append(median_iqr(gaps))
             rows.append(Row(label={"k": k}, ours=ours))
@@ -195,7 +194,7 @@ class FedPCAAccounting:
             }
             for scheme, accountant, label in (("projavg", "exact", "ProjAvg"), ("rlavg", "exact", "RLAvg"),
                                               ("retavg", "exact", "RetAvg"), ("retavg", "prirfed", "PriRFed")):
-                gaps = [summaries[(eps, scheme, accountant, s)]["final_metrics"]["gap"] for s in range(sc.seeds)]
+                gaps = _seed_gaps(summaries, (eps, scheme, accountant), sc.seeds)
                 ours[f"gap {label}"] = fmt_median(gaps)
                 series[label].append(median_iqr(gaps))
             ref = paper.TABLE10[eps]
