@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property, partial
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -34,7 +34,6 @@ from rfedray.task import ClientData, EvalData
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 PARTITIONS = ("iid", "dirichlet")
-SOURCES = ("digits", "diabetes", "synthetic_regression", "synthetic_logistic")
 
 
 def _rng(seed: int, *key: int) -> np.random.Generator:
@@ -251,6 +250,18 @@ def synthetic_logistic_arrays(seed: int, n_train: int, n_test: int, d: int) -> A
     return Arrays(x[:n_train], y[:n_train], x[n_train:], y[n_train:], "classification", 2)
 
 
+LOADERS: dict[str, Callable[[Any, int, int], Callable[[], Arrays]]] = {
+    "digits": lambda o, n_clients, seed: partial(load_digits_arrays, seed, o.test_fraction),
+    "diabetes": lambda o, n_clients, seed: partial(load_diabetes_arrays, seed, o.test_fraction),
+    "synthetic_regression": lambda o, n_clients, seed: partial(
+        synthetic_regression_arrays, seed, o.records_per_client * n_clients, o.test_records, o.d, o.noise_std),
+    "synthetic_logistic": lambda o, n_clients, seed: partial(
+        synthetic_logistic_arrays, seed, o.records_per_client * n_clients, o.test_records, o.d),
+}
+"""Dataset name -> ``(options, n_clients, seed) -> loader``: the loader makes the pooled arrays
+(training and test) that :class:`ArrayFederation` partitions."""
+
+
 @dataclass
 class Options:
     """Schema of ``data.options`` for the scikit-learn sources.
@@ -287,7 +298,7 @@ class Options:
 
     def validate(self, prefix: str) -> None:
         checks = [
-            ("dataset", self.dataset in SOURCES, "must be one of " + ", ".join(SOURCES)),
+            ("dataset", self.dataset in LOADERS, "must be one of " + ", ".join(LOADERS)),
             ("partition", self.partition in PARTITIONS, "must be one of " + ", ".join(PARTITIONS)),
             ("alpha", self.alpha > 0, "must be > 0"),
             ("test_fraction", 0.0 < self.test_fraction < 1.0, "must be in (0, 1)"),
@@ -306,13 +317,6 @@ def build(options: Options, *, n_clients: int, seed: int) -> ArrayFederation:
     """The federation described by ``options`` (validated first)."""
     options.validate("data.options")
     o = options
-    if o.dataset == "digits":
-        loader = partial(load_digits_arrays, seed, o.test_fraction)
-    elif o.dataset == "diabetes":
-        loader = partial(load_diabetes_arrays, seed, o.test_fraction)
-    elif o.dataset == "synthetic_logistic":
-        loader = partial(synthetic_logistic_arrays, seed, o.records_per_client * n_clients, o.test_records, o.d)
-    else:
-        loader = partial(synthetic_regression_arrays, seed, o.records_per_client * n_clients, o.test_records, o.d, o.noise_std)
+    loader = LOADERS[o.dataset](o, n_clients, seed)
     return ArrayFederation(loader, n_clients=n_clients, seed=seed, name=o.dataset, partition=o.partition,
                            alpha=o.alpha, dtype=o.dtype)
