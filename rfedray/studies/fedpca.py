@@ -76,6 +76,40 @@ def _figure(path: Path, xs, series: dict[str, list], xlabel: str, ylabel: str, t
     return str(path)
 
 
+def _figure_dimension(path: Path, rows: Sequence[Row]) -> str:
+    """Figure 2 (a) cost against the intrinsic dimension at d = 40, and (b) against the ambient
+    dimension D at the same d_M = 144: ours (median and IQR), the paper's medians, and the
+    stationary value eta sigma^2 d_M / (4k)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(8.6, 3.4))
+    panels = (("a", "d_M", "intrinsic dimension d_M (d = 40)", lambda r: r.label["d"] == 40),
+              ("b", "D", "ambient dimension D = d(d+1)/2 (d_M = 144)", lambda r: r.label["d_M"] == 144))
+    for ax, (panel, axis, xlabel, keep) in zip(axes, panels):
+        chosen = sorted((r for r in rows if keep(r)), key=lambda r: r.label[axis])
+        xs = [r.label[axis] for r in chosen]
+        for offset, (label, colour) in enumerate((("ProjAvg", "C0"), ("RLAvg", "C1"))):
+            shift = [x * (1 + 0.012 * offset) for x in xs]
+            med = [r.ours[label][0] for r in chosen]
+            err = [[r.ours[label][0] - r.ours[label][1] for r in chosen], [r.ours[label][2] - r.ours[label][0] for r in chosen]]
+            ax.errorbar(shift, med, yerr=err, marker="o", capsize=3, color=colour, label=f"{label} (ours)")
+            ax.plot(shift, [r.paper[label] for r in chosen], "x", color=colour, ms=8, label=f"{label} (paper)")
+        ax.plot(xs, [r.ours["eta sigma^2 d_M / (4k) (1e-4)"] for r in chosen], "k--", lw=1,
+                label="eta sigma^2 d_M / (4k)")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("cost of privacy (1e-4)")
+        ax.set_title(f"Figure 2({panel})", fontsize=10)
+        ax.set_ylim(bottom=0)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
 class FedPCADimension:
     """Figure 2 (a, b) and Table 9: the cost of privacy against intrinsic and ambient dimension."""
 
@@ -96,18 +130,14 @@ class FedPCADimension:
             for d, p in settings for scheme in ("projavg", "rlavg") for private in (True, False) for seed in range(sc.seeds)
         }
         summaries = run_grid(jobs, out / "runs", workers)
-        rows, fig_series = [], {"ProjAvg": [], "RLAvg": []}
-        sigma_by_setting = {}
+        rows = []
         for panel, d, p, d_m, ambient, k, predicted, paper_proj, paper_rl in paper.TABLE9:
             ours = {}
             for scheme, label in (("projavg", "ProjAvg"), ("rlavg", "RLAvg")):
                 paired = [1e4 * (private - plain) for private, plain in zip(
                     _seed_gaps(summaries, (d, p, scheme, True), sc.seeds), _seed_gaps(summaries, (d, p, scheme, False), sc.seeds))]
                 ours[label] = fmt_median(paired)
-                if panel == "a":
-                    fig_series[label].append(median_iqr(paired))
             sigma = summaries[(d, p, "projavg", True, 0)]["sigma"]
-            sigma_by_setting[(d, p)] = sigma
             ours["eta sigma^2 d_M / k (1e-4)"] = 1e4 * 0.2 * sigma ** 2 * p * (d - p) / sc.k
             ours["eta sigma^2 d_M / (4k) (1e-4)"] = ours["eta sigma^2 d_M / k (1e-4)"] / 4
             rows.append(Row(
@@ -115,9 +145,7 @@ class FedPCADimension:
                 ours=ours,
                 paper={"ProjAvg": paper_proj, "RLAvg": paper_rl, "eta sigma^2 d_M / k (1e-4)": predicted},
             ))
-        figures = [_figure(out / "figure2ab.png", [p * (40 - p) for _, p in settings if _ == 40],
-                           fig_series, "intrinsic dimension d_M (d = 40)", "cost of privacy (1e-4)",
-                           "Figure 2(a): cost of privacy vs d_M")]
+        figures = [_figure_dimension(out / "figure2ab.png", rows)]
         table = Table("Table 9: median cost of privacy at epsilon = 1 [IQR], units of 1e-4", rows,
                       note="cost = median over seeds of gap(private) - gap(non-private) at the same seed. "
                            "eta sigma^2 d_M / (4k) is the stationary excess loss of SGD whose update carries noise "
