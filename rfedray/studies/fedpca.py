@@ -119,7 +119,7 @@ class FedPCADimension:
 
     name = "fedpca-dimension"
     description = "Table 9 / Figure 2(a,b): cost of privacy vs intrinsic (p(d-p)) and ambient dimension"
-    laptop_minutes = {"tiny": 1, "full": 400}
+    laptop_minutes = {"tiny": 1, "full": 20}
 
     accepts_seeds = True
     accepts_overrides = True
@@ -165,7 +165,7 @@ class FedPCAParticipation:
 
     name = "fedpca-participation"
     description = "Figure 2(c): optimality gap vs clients per round k (epsilon = 1)"
-    laptop_minutes = {"tiny": 1, "full": 200}
+    laptop_minutes = {"tiny": 1, "full": 20}
 
     accepts_seeds = True
     accepts_overrides = True
@@ -200,7 +200,7 @@ class FedPCAAccounting:
 
     name = "fedpca-accounting"
     description = "Table 10 / Figure 2(d): ProjAvg, RLAvg, RetAvg (ours) vs PriRFed at epsilon 0.5..10"
-    laptop_minutes = {"tiny": 2, "full": 500}
+    laptop_minutes = {"tiny": 2, "full": 20}
 
     accepts_seeds = True
     accepts_overrides = True
