@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
@@ -156,6 +157,9 @@ class RayEngine:
         if not (1 <= num_hosts <= spec.n_clients):
             raise ValueError(f"num_hosts={num_hosts}: must be between 1 and n_clients ({spec.n_clients})")
         if not ray.is_initialized():
+            # Like the main engine: the given cluster, else RAY_ADDRESS, else a new local instance (never
+            # whatever cluster this machine last started, which ray.init(address=None) would join).
+            address = address or os.environ.get("RAY_ADDRESS") or "local"
             ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
         self.num_hosts = num_hosts
         self.timeout_s = timeout_s
