@@ -311,6 +311,27 @@ class EEGStudy:
         return "\n".join([*lines, "", text]) + "\n"
 
 
+    def accuracy_bars(self, path: Path, values: dict[str, list[float]], paper: dict[int, tuple[float, float]],
+                      paper_label: str, title: str, width: float) -> str:
+        """Bars of mean accuracy (std as error bars) per arm, the paper's (mean, std) at the bar
+        positions in ``paper`` as black diamonds, and the dataset's chance line."""
+        fig, ax = _pyplot().subplots(figsize=(width, 3.4))
+        names = list(values)
+        stats = [mean_std(values[n]) for n in names]
+        ax.bar(range(len(names)), [m for m, _ in stats], yerr=[s for _, s in stats], capsize=4,
+               color=[COLOURS[n] for n in names], label="ours")
+        if paper:
+            ax.errorbar(list(paper), [m for m, _ in paper.values()], yerr=[s for _, s in paper.values()], fmt="kD",
+                        capsize=3, label=paper_label)
+        ax.set_xticks(range(len(names)), [n.replace(" (", "\n(") for n in names], fontsize=8)
+        ax.axhline(chance(self.dataset), color="0.4", ls="--", label=f"chance ({chance(self.dataset)} %)")
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_ylim(0, 100)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+        return _save(fig, path)
+
+
 class EEGCentralised(EEGStudy):
     """Table 6: centralised, non-private SPDNet and EEGNet."""
 
@@ -356,19 +377,9 @@ class EEGCentralised(EEGStudy):
         return write_outputs(out, self.name, [table], [self.figure(out / "table6.png", series)], preface=self.preface(sc, text))
 
     def figure(self, path: Path, series: dict[str, list[float]]) -> str:
-        fig, ax = _pyplot().subplots(figsize=(4.2, 3.4))
-        names = list(series)
-        stats = [mean_std(series[n]) for n in names]
-        ax.bar(names, [m for m, _ in stats], yerr=[s for _, s in stats], capsize=4, color=[COLOURS[n] for n in names], label="ours")
-        paper = TABLE6.get(self.dataset)
-        if paper:
-            ax.errorbar(names, [paper[n][0] for n in names], yerr=[paper[n][1] for n in names], fmt="kD", capsize=3, label="paper (Table 6)")
-        ax.axhline(chance(self.dataset), color="0.4", ls="--", label=f"chance ({chance(self.dataset)} %)")
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_ylim(0, 100)
-        ax.set_title(f"Table 6: centralised, {self.dataset}", fontsize=10)
-        ax.legend(fontsize=8)
-        return _save(fig, path)
+        paper = TABLE6.get(self.dataset, {})
+        return self.accuracy_bars(path, series, {i: paper[n] for i, n in enumerate(series) if n in paper},
+                                  "paper (Table 6)", f"Table 6: centralised, {self.dataset}", width=4.2)
 
 
 class EEGFederated(EEGStudy):
@@ -487,21 +498,9 @@ class EEGPriRFed(EEGStudy):
         return write_outputs(out, self.name, [table], [self.figure(out / "figure4a.png", values)], preface=self.preface(sc, text))
 
     def figure(self, path: Path, values: dict[str, list[float]]) -> str:
-        fig, ax = _pyplot().subplots(figsize=(5.2, 3.4))
-        names = list(values)
-        stats = [mean_std(values[n]) for n in names]
-        ax.bar(range(len(names)), [m for m, _ in stats], yerr=[s for _, s in stats], capsize=4, color=[COLOURS[n] for n in names])
-        paper = {i: v[1] for i, n in enumerate(names) for arm, v in TABLE7.get(self.dataset, {}).items() if arm == n}
-        if paper:
-            ax.errorbar(list(paper), [m for m, _ in paper.values()], yerr=[s for _, s in paper.values()], fmt="kD", capsize=3,
-                        label="paper (Table 7, ε = 20)")
-        ax.set_xticks(range(len(names)), [n.replace(" (", "\n(") for n in names], fontsize=8)
-        ax.axhline(chance(self.dataset), color="0.4", ls="--", label=f"chance ({chance(self.dataset)} %)")
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_ylim(0, 100)
-        ax.set_title(f"Figure 4(a): ε = 20, {self.dataset}", fontsize=10)
-        ax.legend(fontsize=8)
-        return _save(fig, path)
+        paper = {i: v[1] for i, n in enumerate(values) for arm, v in TABLE7.get(self.dataset, {}).items() if arm == n}
+        return self.accuracy_bars(path, values, paper, "paper (Table 7, ε = 20)", f"Figure 4(a): ε = 20, {self.dataset}",
+                                  width=5.2)
 
 
 class EEGCurves(EEGStudy):
