@@ -17,9 +17,11 @@ exact to second order in ``l_i - l_j`` (the divided difference equals
 either branch is about ``eps_machine^(2/3)`` relative. The backward therefore stays finite for
 repeated and clamped eigenvalues.
 
-:class:`SpectralMap` is a :class:`torch.autograd.Function` with ``setup_context`` and
-``generate_vmap_rule=True``: it works under :func:`torch.func.grad` and :func:`torch.func.vmap`
-(per-sample gradients). Its backward is first-order only (it is not itself differentiated).
+:func:`spectral_map` decomposes ``X`` once, outside the autograd graph, and adds the first-order
+term ``U (K o (U^T (X - X0) U)) U^T`` of ``X0 = X`` detached, which is exactly zero in value and
+carries exactly the Daleckii-Krein derivative. It works under :func:`torch.func.grad` and
+:func:`torch.func.vmap` (per-sample gradients) as plain batched matrix products, and its derivative
+is first-order only (it is not itself differentiated).
 
 Functions (every input is a symmetric matrix of shape ``(..., n, n)``; only its symmetric part is
 used; the output has the same shape):
@@ -36,7 +38,7 @@ Any other spectral function is a small class with ``value`` and ``derivative`` m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -48,7 +50,6 @@ __all__ = [
     "ClampedLog",
     "Sqrt",
     "InvSqrt",
-    "SpectralMap",
     "divided_differences",
     "spectral_map",
     "sym_log",
@@ -179,36 +180,29 @@ def divided_differences(fn: SpectralFunction, eigvals: Tensor, values: Tensor) -
     return torch.where(close, fn.derivative(0.5 * (li + lj)), quotient)
 
 
-class SpectralMap(torch.autograd.Function):
-    """``X -> U diag(f(l)) U^T`` with the tie-safe Daleckii-Krein backward.
+def _first_order(x: Tensor, fn: SpectralFunction) -> Tensor:
+    """``F(x)`` whose derivative is the Daleckii-Krein one, built from differentiable operations.
 
-    ``forward(x, fn)`` takes a symmetric ``x`` of shape ``(..., n, n)`` and a
-    :class:`SpectralFunction`; the backward returns a symmetric gradient of the same shape.
+    With ``x = U diag(l) U^T`` decomposed once, out of the autograd graph, the output is::
+
+        F(x0) + U (K o (U^T (x - x0) U)) U^T,      x0 = x detached,
+
+    whose value is ``F(x0)`` exactly (``x - x0`` is exactly zero) and whose derivative with respect
+    to ``x`` is ``dX -> U (K o (U^T dX U)) U^T``, the Daleckii-Krein derivative (``K`` symmetric makes
+    it self-adjoint, so the backward is the same formula). Only matrix products and elementwise
+    operations carry the derivative: ``torch.func.vmap`` batches them directly (per-sample
+    gradients run as plain batched kernels, with no autograd ``Function`` to replay per sample), and
+    the derivative is first-order (the decomposition is a constant of the graph).
     """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x: Tensor, fn: SpectralFunction) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
-        eigvals, eigvecs = torch.linalg.eigh(_sym(x))
-        values = fn.value(eigvals)
-        return _reconstruct(eigvecs, values), eigvals, eigvecs
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        _, fn = inputs
-        _, eigvals, eigvecs = output
-        ctx.fn = fn
-        ctx.mark_non_differentiable(eigvals, eigvecs)
-        ctx.save_for_backward(eigvals, eigvecs)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor, _grad_eigvals: Any, _grad_eigvecs: Any) -> tuple[Tensor, None]:  # type: ignore[override]
-        eigvals, eigvecs = ctx.saved_tensors
-        kernel = divided_differences(ctx.fn, eigvals, ctx.fn.value(eigvals))
-        ut = eigvecs.transpose(-1, -2)
-        inner = kernel * (ut @ _sym(grad_out) @ eigvecs)
-        return eigvecs @ inner @ ut, None
+    x0 = x.detach()
+    eigvals, eigvecs = torch.linalg.eigh(x0)
+    values = fn.value(eigvals)
+    out = _reconstruct(eigvecs, values)
+    if not torch.is_grad_enabled():
+        return out
+    kernel = divided_differences(fn, eigvals, values)
+    ut = eigvecs.transpose(-1, -2)
+    return out + eigvecs @ (kernel * (ut @ (x - x0) @ eigvecs)) @ ut
 
 
 def spectral_map(x: Tensor, fn: SpectralFunction) -> Tensor:
@@ -229,7 +223,7 @@ def spectral_map(x: Tensor, fn: SpectralFunction) -> Tensor:
         raise ValueError(f"x: must have shape (..., n, n) with square trailing dimensions, got {tuple(x.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"x: must be a floating-point tensor, got dtype {x.dtype}")
-    return SpectralMap.apply(x, fn)[0]
+    return _first_order(_sym(x), fn)
 
 
 def sym_log(x: Tensor) -> Tensor:
