@@ -2,15 +2,19 @@
 # Set up rfedray on a fresh machine: a virtual environment in .venv with the pinned packages of
 # constraints.txt (the same file the CI and the cluster nodes use). Idempotent: a second run only
 # checks a stamp and returns. With --test it also installs what the integration tests need
-# (Debian's prometheus, for the real scrape test) when it is missing.
+# (Debian's prometheus, for the real scrape test) when it is missing. With --flower it also makes
+# Flower's own environment in .venv-flower (the pyproject extra "flower", pinned by
+# benchmarks/flower/constraints.txt) for benchmarks/side_by_side.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WITH_TEST=0
+WITH_FLOWER=0
 for arg in "$@"; do
   case "$arg" in
     --test) WITH_TEST=1 ;;
-    *) echo "setup.sh: unknown option $arg (allowed: --test)" >&2; exit 2 ;;
+    --flower) WITH_FLOWER=1 ;;
+    *) echo "setup.sh: unknown option $arg (allowed: --test, --flower)" >&2; exit 2 ;;
   esac
 done
 
@@ -37,6 +41,20 @@ if [ "$WITH_TEST" = 1 ] && ! command -v prometheus >/dev/null 2>&1; then
     (systemctl stop prometheus 2>/dev/null || service prometheus stop 2>/dev/null || pkill -x prometheus || true) >/dev/null 2>&1
   else
     echo "setup: prometheus not found and cannot apt-get install it; the scrape test will fail" >&2
+  fi
+fi
+if [ "$WITH_FLOWER" = 1 ]; then
+  fstamp=.venv-flower/.rfedray-stamp
+  fwant=$(cat benchmarks/flower/constraints.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+  if [ "$(cat "$fstamp" 2>/dev/null)" != "$fwant" ]; then
+    echo "setup: making Flower's environment (.venv-flower)"
+    [ -x .venv-flower/bin/python ] || "$PY" -m venv .venv-flower
+    .venv-flower/bin/python -m pip install -q -c benchmarks/flower/constraints.txt \
+      "torch==$(grep '^torch==' benchmarks/flower/constraints.txt | cut -d= -f3)"
+    # The extra's requirements, read from pyproject.toml (rfedray itself is not installed there).
+    mapfile -t extra < <(.venv/bin/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["flower"]))')
+    .venv-flower/bin/python -m pip install -q -c benchmarks/flower/constraints.txt "${extra[@]}"
+    echo "$fwant" > "$fstamp"
   fi
 fi
 echo "setup: ready (.venv)"
