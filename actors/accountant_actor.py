@@ -50,7 +50,7 @@ class AccountantActor:
     ledger : PrivacyLedger
         A fresh ledger for the run's mechanism (the actor's own copy).
     fingerprint : dict
-        What the accounting depends on (see :func:`rfedray.federated.loop.accounting_fingerprint`);
+        What the accounting depends on (see :func:`rfedray.federated.resume.accounting_fingerprint`);
         written with the ledger, and a ``budget.json`` with another one is not loaded.
     budget_path : str
         The run directory's ``budget.json``.

@@ -41,7 +41,8 @@ from actors.client_actor import ACTOR_START_TIMEOUT_S, ClientPool, assign_client
 from rfedray.config import Config, ConfigError
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import ClientFailure, LocalResult
-from rfedray.federated.loop import Federation, RoundObserver, accounting_fingerprint
+from rfedray.federated.loop import Federation, RoundObserver
+from rfedray.federated.resume import accounting_fingerprint
 from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.setup import local_plan
 from rfedray.task import Params

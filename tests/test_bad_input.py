@@ -416,7 +416,7 @@ def test_check_resume_refuses_what_a_resume_refuses_and_writes_nothing(prior_run
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy)
     fed = Federation.prepare(load_config(copy / "config.yaml"), RunDirectory(copy))
-    assert fed.check_resume()["round"] == 4
+    assert fed.check_resume().round == 4
     assert snapshot(copy) == before
     (copy / "budget.json").write_text('{"fingerprint": ')
     with pytest.raises(RfedrayError, match="budget.json is unreadable"):

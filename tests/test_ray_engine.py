@@ -21,7 +21,8 @@ from actors.driver import check_ray_config, ray_executor
 from rfedray.config import ConfigError, load_config
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import LocalResult
-from rfedray.federated.loop import Federation, accounting_fingerprint, run_federation
+from rfedray.federated.loop import Federation, run_federation
+from rfedray.federated.resume import accounting_fingerprint
 from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.server import cohort
 

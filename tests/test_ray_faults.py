@@ -21,7 +21,8 @@ from ray.cluster_utils import Cluster
 from actors.accountant_actor import AccountantActor
 from actors.driver import ray_executor
 from rfedray.federated.client import ClientFailure
-from rfedray.federated.loop import Federation, accounting_fingerprint, run_federation
+from rfedray.federated.loop import Federation, run_federation
+from rfedray.federated.resume import accounting_fingerprint
 from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.setup import initial_params
 from test_ray_engine import ROOT, SMALL, run_engine, small_cfg

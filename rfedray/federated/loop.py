@@ -14,8 +14,6 @@ One round t:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -23,10 +21,10 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from rfedray.config import Config, ConfigError, to_yaml
-from rfedray.errors import RfedrayError
+from rfedray.config import Config, to_yaml
 from rfedray.federated.client import ClientFailure, LocalResult
 from rfedray.federated.executor import Executor
+from rfedray.federated.resume import Checkpoints, RunState, accounting_fingerprint
 from rfedray.federated.rundir import RunDirectory, atomic_write_json
 from rfedray.federated.server import Server, cohort
 from rfedray.federated.setup import (
@@ -39,38 +37,12 @@ from rfedray.task import FederatedDataset, FederatedModel, Params
 log = logging.getLogger(__name__)
 
 
-FINGERPRINT_NOTES = {"data.client_sizes": "the clients' record counts differ"}
-"""How a changed accounting setting is described when its value is not readable (a hash)."""
-
-
-def _flatten(fingerprint: dict) -> dict:
-    """``{"privacy": {"clip": c}, ...}`` as ``{"privacy.clip": c, ...}``."""
-    flat = {}
-    for key, value in fingerprint.items():
-        if isinstance(value, dict):
-            flat.update({f"{key}.{k}": v for k, v in value.items()})
-        else:
-            flat[key] = value
-    return flat
-
-
 class RoundObserver(Protocol):
     """Receives one record per completed round and the summary at the end (progress, metrics)."""
 
     def on_round(self, record: dict) -> None: ...
 
     def on_finish(self, summary: dict) -> None: ...
-
-
-def accounting_fingerprint(cfg: Config, privacy: PrivacyPlan, sizes: list[int]) -> dict:
-    """Everything the ledger's numbers depend on; a resume must not change any of it."""
-    return {
-        "privacy": privacy.fingerprint(),
-        "federation.local_steps": cfg.federation.local_steps,
-        "federation.batch_size": cfg.federation.batch_size,
-        "federation.n_clients": cfg.federation.n_clients,
-        "data.client_sizes": hashlib.sha256(json.dumps(sizes).encode()).hexdigest(),
-    }
 
 
 @dataclass
@@ -129,19 +101,19 @@ class Federation:
         cfg, rd = self.cfg, self.run_dir
         ledger = self.ledger_factory() if self.ledger_factory is not None else self.make_ledger()
         server = self._server()
-        fingerprint = accounting_fingerprint(cfg, self.privacy, self.sizes)
+        checkpoints = self.checkpoints()
         seeded = cfg.privacy.noise_seed is not None
         if seeded and self.privacy.enabled:
             log.warning("privacy.noise_seed is set: reproducible noise, NOT FOR PRODUCTION")
         # Load every piece of data before the run directory is touched: a bad input fails here.
         eval_data = self.dataset.eval_data()
-        state = self._start_state(ledger, fingerprint, resume)
-        theta: Params = state["theta"]
-        start_round: int = state["round"]
-        opt_states: dict[int, dict] = state["optimizer_states"]
-        counters = state["counters"]
+        state = self._start_state(checkpoints, ledger, resume)
+        theta: Params = state.theta
+        start_round: int = state.round
+        opt_states: dict[int, dict] = state.optimizer_states
+        counters = state.counters
         halted, halt_reason = False, ""
-        last_metrics: dict[str, float] = state.get("last_metrics", {})
+        last_metrics: dict[str, float] = state.last_metrics
         started = time.perf_counter()
         t = start_round
         for t in range(start_round, cfg.run.rounds):
@@ -152,7 +124,7 @@ class Federation:
                 if not auth.granted:
                     halted, halt_reason = True, auth.reason
                     break
-                atomic_write_json(rd.budget, {"fingerprint": fingerprint, "ledger": ledger.state_dict(), "round": t})
+                atomic_write_json(rd.budget, {"fingerprint": checkpoints.fingerprint, "ledger": ledger.state_dict(), "round": t})
             results = executor.train(chosen, theta, t, opt_states)
             answered = {cid: r for cid, r in results.items() if isinstance(r, LocalResult)}
             failures = [cid for cid in chosen if not isinstance(results.get(cid), LocalResult)]
@@ -185,7 +157,7 @@ class Federation:
             for obs in self.observers:
                 obs.on_round(record)
             if (t + 1) % cfg.run.checkpoint_every == 0 or t + 1 == cfg.run.rounds:
-                self._checkpoint(theta, t + 1, opt_states, counters, fingerprint, ledger, last_metrics)
+                checkpoints.save(RunState(theta, t + 1, opt_states, counters, last_metrics), ledger)
         else:
             t = cfg.run.rounds
         rounds_completed = t
@@ -215,138 +187,24 @@ class Federation:
             obs.on_finish(summary)
         return summary
 
-    def _checkpoint(self, theta, next_round, opt_states, counters, fingerprint, ledger, last_metrics) -> None:
-        self.run_dir.write_checkpoint({
-            "round": next_round,
-            "theta": {k: v.detach().cpu() for k, v in theta.items()},
-            "optimizer_states": opt_states,
-            "counters": dict(counters),
-            "fingerprint": fingerprint,
-            "ledger": ledger.state_dict() if ledger is not None else None,
-            "last_metrics": dict(last_metrics),
-        })
-
-    def _check_resumable(self, state: dict, fingerprint: dict) -> None:
-        """Refuse a checkpoint that this configuration cannot continue (nothing is written before).
-
-        Raises
-        ------
-        ConfigError
-            When a setting the accounting depends on changed, or ``run.rounds`` is below the
-            rounds already completed.
-        RfedrayError
-            When the checkpoint's model does not fit the configured model or is not finite.
-        """
-        rd = self.run_dir
-        before, now = _flatten(state.get("fingerprint") or {}), _flatten(fingerprint)
-        changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
-        if changed:
-            details = "; ".join(
-                f"{k}: {FINGERPRINT_NOTES[k]}" if k in FINGERPRINT_NOTES else f"{k} was {before.get(k)!r}, now {now.get(k)!r}"
-                for k in changed
-            )
-            raise ConfigError(
-                changed[0], "changed since the checkpoint",
-                f"a resumed run must keep every setting the privacy accounting depends on ({details}); "
-                "resume with the original values, or start a new run",
-            )
-        done = state["round"]
-        if isinstance(done, bool) or not isinstance(done, int) or done < 0:
-            raise RfedrayError(f"--resume {rd.path}: checkpoint.pt records round {done!r}, not a round count; "
-                               "it is damaged: restore it from a backup or start a new run")
-        if done > self.cfg.run.rounds:
-            raise ConfigError("run.rounds", self.cfg.run.rounds,
-                              f"the run has already completed {done} rounds; resume with run.rounds >= {done}")
-        theta = state["theta"]
-        expected = {k: tuple(v.shape) for k, v in initial_params(self.cfg, self.model).items()}
-        found = ({k: tuple(v.shape) for k, v in theta.items() if isinstance(v, torch.Tensor)}
-                 if isinstance(theta, dict) else None)
-        if found != expected:
-            raise RfedrayError(
-                f"--resume {rd.path}: checkpoint.pt holds a model of shapes {found}, the configuration builds "
-                f"{expected}; resume with the configuration the run was started with (its config.yaml)"
-            )
-        if not all(bool(torch.isfinite(v).all()) for v in theta.values()):
-            raise RfedrayError(f"--resume {rd.path}: checkpoint.pt holds a model that is not finite; "
-                               "it is damaged: restore it from a backup or start a new run")
-
-    def _saved_budget(self, fingerprint: dict) -> Optional[dict]:
-        """The write-ahead ledger of ``budget.json``, or None when there is none.
-
-        Raises
-        ------
-        RfedrayError
-            When ``budget.json`` is unreadable or was written for another accounting set-up.
-        """
-        rd = self.run_dir
-        if not rd.budget.is_file():
-            return None
-        try:
-            saved = json.loads(rd.budget.read_text())
-        except (OSError, ValueError) as exc:
-            raise RfedrayError(
-                f"--resume {rd.path}: budget.json is unreadable ({type(exc).__name__}); it records the privacy "
-                "budget spent, so the run cannot continue without it: restore it from a backup"
-            ) from None
-        if not isinstance(saved, dict) or saved.get("fingerprint") != fingerprint or "ledger" not in saved:
-            raise RfedrayError(
-                f"--resume {rd.path}: budget.json was not written for this run's accounting set-up "
-                "(its fingerprint differs from the checkpoint's); restore the run's own budget.json from a backup"
-            )
-        return saved
-
-    def _load_ledger(self, ledger, state: dict, fingerprint: dict) -> None:
-        """Load the spent budget into ``ledger``: ``budget.json``, else the checkpoint's copy.
-
-        The write-ahead ledger may be ahead of the checkpoint (rounds charged, then lost): it is
-        the one to keep, so a resumed run never reports less than was spent.
-        """
-        saved = self._saved_budget(fingerprint) or {"ledger": state["ledger"]}
-        try:
-            ledger.load_state_dict(saved["ledger"])
-        except (RfedrayError, KeyError, TypeError, AttributeError) as exc:
-            raise RfedrayError(
-                f"--resume {self.run_dir.path}: the saved privacy ledger does not fit this run ({type(exc).__name__}: {exc}); "
-                "restore budget.json from a backup (never delete it: it records the budget spent)"
-            ) from None
-
-    def check_resume(self) -> dict[str, Any]:
-        """Check, writing nothing, that this configuration can resume the run directory; its checkpoint.
-
-        Everything a resume checks before it touches the run directory: the checkpoint (readable,
-        same accounting, same model, finite, not past ``run.rounds``), ``budget.json`` and
-        ``metrics.jsonl``. An engine that starts other processes (Ray) calls it first, so that a
-        run directory that cannot be resumed is refused before anything starts.
-
-        Raises
-        ------
-        RfedrayError
-            (or its :class:`ConfigError`) naming the file or the setting, and what to do.
-        """
-        state = self.run_dir.read_checkpoint()
+    def checkpoints(self) -> Checkpoints:
+        """The run directory's checkpoint and write-ahead ledger, for this configuration."""
         fingerprint = accounting_fingerprint(self.cfg, self.privacy, self.sizes)
-        self._check_resumable(state, fingerprint)
-        ledger = self.make_ledger()
-        if ledger is not None:
-            self._load_ledger(ledger, state, fingerprint)
-        self.run_dir.metrics_before(state["round"])
-        return state
+        return Checkpoints(self.run_dir, fingerprint, self.cfg.run.rounds, initial_params(self.cfg, self.model))
 
-    def _start_state(self, ledger, fingerprint: dict, resume: bool) -> dict[str, Any]:
-        rd = self.run_dir
-        if not resume:
-            # The saved config carries the resolved sigma, so a resume (even one that extends
-            # run.rounds) keeps the mechanism the ledger was charged for.
-            resolved = replace(self.cfg, privacy=replace(self.cfg.privacy, sigma=self.privacy.sigma))
-            rd.config.write_text(to_yaml(resolved))
-            theta = initial_params(self.cfg, self.model)
-            return {"theta": theta, "round": 0, "optimizer_states": {}, "counters": {"client_failures": 0, "submissions_rejected": 0}}
-        state = self.check_resume()
-        if ledger is not None:
-            self._load_ledger(ledger, state, fingerprint)
-        rd.truncate_metrics(state["round"])
-        rd.append_metrics({"event": "resumed", "round": state["round"], "epsilon_spent": ledger.epsilon_spent() if ledger else None})
-        return state
+    def check_resume(self) -> RunState:
+        """Check, writing nothing, that this configuration can resume the run directory (see
+        :meth:`Checkpoints.check`); an engine that starts other processes (Ray) calls it first."""
+        return self.checkpoints().check(self.make_ledger())
+
+    def _start_state(self, checkpoints: Checkpoints, ledger, resume: bool) -> RunState:
+        if resume:
+            return checkpoints.resume(ledger)
+        # The saved config carries the resolved sigma, so a resume (even one that extends
+        # run.rounds) keeps the mechanism the ledger was charged for.
+        resolved = replace(self.cfg, privacy=replace(self.cfg.privacy, sigma=self.privacy.sigma))
+        self.run_dir.config.write_text(to_yaml(resolved))
+        return RunState(initial_params(self.cfg, self.model))
 
 
 def run_federation(cfg: Config, run_dir: RunDirectory, observers: Optional[list] = None,

@@ -1,0 +1,234 @@
+"""Saving a run between rounds and resuming it: the checkpoint, the write-ahead ledger, their checks.
+
+A run directory holds two records of a run's progress (:mod:`rfedray.federated.rundir`):
+
+* ``checkpoint.pt``, every ``run.checkpoint_every`` rounds: a :class:`RunState` (theta, the next
+  round, the clients' optimiser states, the counters and the last metrics), the accounting
+  fingerprint and a copy of the ledger;
+* ``budget.json``, rewritten before every round trains: the ledger and the fingerprint. It may be
+  ahead of the checkpoint (rounds charged, then lost in a crash); a resume keeps it, so a resumed
+  run never reports less than was spent, and redoes the rounds after the checkpoint.
+
+A resume first checks, writing nothing, that the configuration can continue the run
+(:meth:`Checkpoints.check`): the same accounting fingerprint, the same model shapes, a finite model,
+``run.rounds`` not below the rounds done, a readable ``budget.json`` of the same fingerprint and a
+readable ``metrics.jsonl``. An engine that starts other processes checks before it starts them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import torch
+
+from rfedray.config import Config, ConfigError
+from rfedray.errors import RfedrayError
+from rfedray.federated.rundir import RunDirectory
+from rfedray.task import Params
+
+FINGERPRINT_NOTES = {"data.client_sizes": "the clients' record counts differ"}
+"""How a changed accounting setting is described when its value is not readable (a hash)."""
+
+
+def accounting_fingerprint(cfg: Config, privacy: Any, sizes: list[int]) -> dict:
+    """Everything the ledger's numbers depend on; a resume must not change any of it.
+
+    Parameters
+    ----------
+    cfg : Config
+    privacy : rfedray.federated.setup.PrivacyPlan
+        Its :meth:`fingerprint` (whether private, sigma, clip, delta, accountant).
+    sizes : list of int
+        Every client's record count.
+    """
+    return {
+        "privacy": privacy.fingerprint(),
+        "federation.local_steps": cfg.federation.local_steps,
+        "federation.batch_size": cfg.federation.batch_size,
+        "federation.n_clients": cfg.federation.n_clients,
+        "data.client_sizes": hashlib.sha256(json.dumps(sizes).encode()).hexdigest(),
+    }
+
+
+def _flatten(fingerprint: Mapping) -> dict:
+    """``{"privacy": {"clip": c}, ...}`` as ``{"privacy.clip": c, ...}``."""
+    flat = {}
+    for key, value in fingerprint.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+@dataclass
+class RunState:
+    """Where a run stands before a round: what a checkpoint keeps.
+
+    Attributes
+    ----------
+    theta : dict of Tensor
+        The global model theta_t.
+    round : int
+        t, the next round to run (rounds ``0 .. t-1`` are done).
+    optimizer_states : dict
+        Each client's optimiser state after its last participation, by client id.
+    counters : dict
+        ``client_failures`` and ``submissions_rejected`` so far.
+    last_metrics : dict
+        The last evaluation of the global model.
+    """
+
+    theta: Params
+    round: int = 0
+    optimizer_states: dict[int, dict] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=lambda: {"client_failures": 0, "submissions_rejected": 0})
+    last_metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Checkpoints:
+    """The checkpoint and the write-ahead ledger of one run directory.
+
+    Parameters
+    ----------
+    run_dir : RunDirectory
+    fingerprint : dict
+        The run's :func:`accounting_fingerprint`.
+    rounds : int
+        ``run.rounds``, the rounds the run is configured for.
+    initial : dict of Tensor
+        The run's starting model: gives the shapes a checkpoint's model must have.
+    """
+
+    def __init__(self, run_dir: RunDirectory, fingerprint: dict, rounds: int, initial: Params):
+        self.run_dir, self.fingerprint, self.rounds = run_dir, fingerprint, rounds
+        self.shapes = {k: tuple(v.shape) for k, v in initial.items()}
+
+    def save(self, state: RunState, ledger) -> None:
+        """Write ``checkpoint.pt`` for ``state`` (after round ``state.round - 1``)."""
+        self.run_dir.write_checkpoint({
+            "round": state.round,
+            "theta": {k: v.detach().cpu() for k, v in state.theta.items()},
+            "optimizer_states": state.optimizer_states,
+            "counters": dict(state.counters),
+            "fingerprint": self.fingerprint,
+            "ledger": ledger.state_dict() if ledger is not None else None,
+            "last_metrics": dict(state.last_metrics),
+        })
+
+    def _check_checkpoint(self, state: dict) -> None:
+        """Refuse a checkpoint that this configuration cannot continue (nothing is written before).
+
+        Raises
+        ------
+        ConfigError
+            When a setting the accounting depends on changed, or ``run.rounds`` is below the
+            rounds already completed.
+        RfedrayError
+            When the checkpoint's model does not fit the configured model or is not finite.
+        """
+        rd = self.run_dir
+        before, now = _flatten(state.get("fingerprint") or {}), _flatten(self.fingerprint)
+        changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+        if changed:
+            details = "; ".join(
+                f"{k}: {FINGERPRINT_NOTES[k]}" if k in FINGERPRINT_NOTES else f"{k} was {before.get(k)!r}, now {now.get(k)!r}"
+                for k in changed
+            )
+            raise ConfigError(
+                changed[0], "changed since the checkpoint",
+                f"a resumed run must keep every setting the privacy accounting depends on ({details}); "
+                "resume with the original values, or start a new run",
+            )
+        done = state["round"]
+        if isinstance(done, bool) or not isinstance(done, int) or done < 0:
+            raise RfedrayError(f"--resume {rd.path}: checkpoint.pt records round {done!r}, not a round count; "
+                               "it is damaged: restore it from a backup or start a new run")
+        if done > self.rounds:
+            raise ConfigError("run.rounds", self.rounds,
+                              f"the run has already completed {done} rounds; resume with run.rounds >= {done}")
+        theta = state["theta"]
+        found = ({k: tuple(v.shape) for k, v in theta.items() if isinstance(v, torch.Tensor)}
+                 if isinstance(theta, dict) else None)
+        if found != self.shapes:
+            raise RfedrayError(
+                f"--resume {rd.path}: checkpoint.pt holds a model of shapes {found}, the configuration builds "
+                f"{self.shapes}; resume with the configuration the run was started with (its config.yaml)"
+            )
+        if not all(bool(torch.isfinite(v).all()) for v in theta.values()):
+            raise RfedrayError(f"--resume {rd.path}: checkpoint.pt holds a model that is not finite; "
+                               "it is damaged: restore it from a backup or start a new run")
+
+    def _saved_budget(self) -> Optional[dict]:
+        """The write-ahead ledger of ``budget.json``, or None when there is none.
+
+        Raises
+        ------
+        RfedrayError
+            When ``budget.json`` is unreadable or was written for another accounting set-up.
+        """
+        rd = self.run_dir
+        if not rd.budget.is_file():
+            return None
+        try:
+            saved = json.loads(rd.budget.read_text())
+        except (OSError, ValueError) as exc:
+            raise RfedrayError(
+                f"--resume {rd.path}: budget.json is unreadable ({type(exc).__name__}); it records the privacy "
+                "budget spent, so the run cannot continue without it: restore it from a backup"
+            ) from None
+        if not isinstance(saved, dict) or saved.get("fingerprint") != self.fingerprint or "ledger" not in saved:
+            raise RfedrayError(
+                f"--resume {rd.path}: budget.json was not written for this run's accounting set-up "
+                "(its fingerprint differs from the checkpoint's); restore the run's own budget.json from a backup"
+            )
+        return saved
+
+    def _load_ledger(self, ledger, state: dict) -> None:
+        """Load the spent budget into ``ledger``: ``budget.json``, else the checkpoint's copy.
+
+        The write-ahead ledger may be ahead of the checkpoint (rounds charged, then lost): it is
+        the one to keep, so a resumed run never reports less than was spent.
+        """
+        saved = self._saved_budget() or {"ledger": state["ledger"]}
+        try:
+            ledger.load_state_dict(saved["ledger"])
+        except (RfedrayError, KeyError, TypeError, AttributeError) as exc:
+            raise RfedrayError(
+                f"--resume {self.run_dir.path}: the saved privacy ledger does not fit this run ({type(exc).__name__}: {exc}); "
+                "restore budget.json from a backup (never delete it: it records the budget spent)"
+            ) from None
+
+    def check(self, ledger) -> RunState:
+        """Check, writing nothing, that the run directory can be resumed; its checkpoint's state.
+
+        Parameters
+        ----------
+        ledger : PrivacyLedger or None
+            A fresh ledger of the run (None when not private): the saved budget is loaded into it.
+
+        Raises
+        ------
+        RfedrayError
+            (or its :class:`ConfigError`) naming the file or the setting, and what to do.
+        """
+        state = self.run_dir.read_checkpoint()
+        self._check_checkpoint(state)
+        if ledger is not None:
+            self._load_ledger(ledger, state)
+        self.run_dir.metrics_before(state["round"])
+        return RunState(
+            theta=state["theta"], round=state["round"], optimizer_states=state["optimizer_states"],
+            counters=state["counters"], last_metrics=state.get("last_metrics", {}),
+        )
+
+    def resume(self, ledger) -> RunState:
+        """:meth:`check`, then drop the rounds after the checkpoint from ``metrics.jsonl`` and log the resume."""
+        state = self.check(ledger)
+        self.run_dir.truncate_metrics(state.round)
+        self.run_dir.append_metrics({"event": "resumed", "round": state.round,
+                                     "epsilon_spent": ledger.epsilon_spent() if ledger else None})
+        return state
