@@ -30,7 +30,7 @@ from rfedray.geometry import ProductManifold
 from rfedray.models.eegnet import EEGNet
 from rfedray.models.fedpca import GROUP, FedPCA
 from rfedray.models.spdnet import SPDNet
-from rfedray.privacy.mechanism import private_gradient
+from rfedray.privacy.mechanism import noise_generator, private_gradient
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def steps(case: Case, generator: torch.Generator, device: str = "cpu") -> tuple[
     product = ProductManifold(model.groups)
     params = {g: v.to(device) for g, v in model.init_params(generator).items()}
     records = tuple(r.to(device) for r in case.records)
-    noise = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+    noise = noise_generator(int(torch.randint(0, 2**62, (1,), generator=generator)), device)
 
     def update(grads):
         return product.project({g: params[g] - 0.01 * grads[g] for g in params})

@@ -252,7 +252,7 @@ class Auditor:
     def noise_seed(self, trial: int) -> Optional[int]:
         if self.plan.seed is None:
             return None
-        return int(np.random.SeedSequence(self.plan.seed, spawn_key=(trial,)).generate_state(1)[0])
+        return int.from_bytes(np.random.SeedSequence(self.plan.seed, spawn_key=(trial,)).generate_state(4).tobytes(), "little")
 
     def train(self, dataset: FederatedDataset, noise_seed: Optional[int]) -> Params:
         """One private training run of ``self.rounds`` rounds on ``dataset``; the final model."""

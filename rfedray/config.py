@@ -308,6 +308,14 @@ def _positive(fieldname: str, value: float) -> None:
         raise ConfigError(fieldname, value, "must be a finite number > 0")
 
 
+def check_noise_seed(fieldname: str, seed: Optional[int]) -> None:
+    """A noise seed is null (OS entropy) or an integer in ``[0, 2^128)`` (:mod:`rfedray.privacy.randomness`)."""
+    from rfedray.privacy.randomness import SEED_BITS
+
+    if seed is not None and not 0 <= seed < 1 << SEED_BITS:
+        raise ConfigError(fieldname, seed, f"must be null (OS entropy) or an integer in [0, 2^{SEED_BITS})")
+
+
 def validate(cfg: Config) -> None:
     """Check every field and the cross-field rules; raise :class:`ConfigError` on the first problem."""
     r, fed, p, agg = cfg.run, cfg.federation, cfg.privacy, cfg.aggregation
@@ -340,8 +348,7 @@ def validate(cfg: Config) -> None:
         _positive("privacy.sigma", p.sigma)
     if p.enabled and p.epsilon is None and p.sigma is None:
         raise ConfigError("privacy.epsilon", None, "give a target epsilon (sigma is then calibrated) or a sigma")
-    if p.noise_seed is not None and p.noise_seed < 0:
-        raise ConfigError("privacy.noise_seed", p.noise_seed, "must be null (OS entropy) or an integer >= 0")
+    check_noise_seed("privacy.noise_seed", p.noise_seed)
 
     _choice("aggregation.scheme", agg.scheme, SCHEMES)
     _choice("aggregation.weighting", agg.weighting, WEIGHTINGS)

@@ -12,6 +12,7 @@ from rfedray.ddpsa.mechanism import MedianClip, PrivateQuantileClip, StaticClip,
 from rfedray.ddpsa.runner import run_ddpsa
 from rfedray.ddpsa.secure_aggregation import LocalAggregators
 from rfedray.mestimation.engine import LocalEngine, TaskSpec
+from rfedray.privacy.mechanism import noise_generator
 
 SPEC = TaskSpec("rfedray.data.sklearn_data", "rfedray.models.logreg",
                 {"dataset": "synthetic_regression", "records_per_client": 200, "d": 5}, {"l2": 0.0}, 4, 0)
@@ -37,8 +38,7 @@ def test_subsampled_laplace_is_symmetrised_hence_above_one_direction():
 
 
 def test_laplace_noise_has_the_right_scale():
-    gen = torch.Generator().manual_seed(0)
-    noise = laplace_noise((200000,), 0.7, gen, torch.float64)
+    noise = laplace_noise((200000,), 0.7, noise_generator(0), torch.float64)
     assert torch.isfinite(noise).all() and float(noise.abs().mean()) == pytest.approx(0.7, rel=0.02)
 
 
@@ -49,7 +49,7 @@ def _step(policy, noise=1.0, state=None):
     x, y = dataset.client_data(0).train
     state = {} if state is None else state
     release = ddpsa_step(model.per_sample_loss, params, (x[:50], y[:50]), policy.bind(noise), state, noise,
-                         torch.Generator().manual_seed(0))
+                         noise_generator(0))
     return release, state
 
 

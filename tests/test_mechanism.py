@@ -12,6 +12,7 @@ from rfedray.privacy.mechanism import (
     per_sample_gradients,
     private_gradient,
     sample_batch,
+    standard_noise,
 )
 
 B, D = 16, 6
@@ -170,11 +171,13 @@ def test_sample_batch_bad_arguments(m, b, message):
 
 
 def test_noise_generator_seeding():
+    prod = ProductManifold({"h": Euclidean(8)})
+    params = {"h": torch.zeros(8)}
     a, b = noise_generator(None), noise_generator(None)
-    assert not torch.equal(torch.randn(8, generator=a), torch.randn(8, generator=b))
+    assert not torch.equal(standard_noise(prod, params, a)["h"], standard_noise(prod, params, b)["h"])
     c, d = noise_generator(42), noise_generator(42)
-    assert torch.equal(torch.randn(8, generator=c), torch.randn(8, generator=d))
-    for bad in (-1, 1.5, "7", True):
+    assert torch.equal(standard_noise(prod, params, c)["h"], standard_noise(prod, params, d)["h"])
+    for bad in (-1, 1.5, "7", True, 2**128):
         with pytest.raises(ValueError, match="seed="):
             noise_generator(bad)
 

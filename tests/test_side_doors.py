@@ -16,6 +16,7 @@ import dataclasses
 import inspect
 import numbers
 import secrets
+import types
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from rfedray.federated.client import Client, LocalResult, round_generator
 from rfedray.federated.loop import Federation
 from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.setup import build_client, build_scheme, local_plan
-from rfedray.privacy import mechanism
+from rfedray.privacy import mechanism, randomness
 from rfedray.privacy.mechanism import nonprivate_gradient, per_sample_gradients, sample_batch
 
 CLIENT = 1
@@ -228,13 +229,14 @@ def test_no_public_method_of_the_client_actor_releases_a_secret(setup, ray_sessi
 # ----- the noise generator and the not-for-production mark ------------------------------------------
 
 def count_entropy_draws(monkeypatch) -> list[int]:
+    """Bytes of OS entropy drawn for every generator key (:mod:`rfedray.privacy.randomness`)."""
     draws = []
 
-    def randbits(k):
-        draws.append(k)
-        return secrets.SystemRandom().getrandbits(k)
+    def token_bytes(n):
+        draws.append(n)
+        return secrets.SystemRandom().randbytes(n)
 
-    monkeypatch.setattr(mechanism.secrets, "randbits", randbits)
+    monkeypatch.setattr(randomness, "secrets", types.SimpleNamespace(token_bytes=token_bytes))
     return draws
 
 
@@ -251,7 +253,7 @@ def test_noise_comes_from_os_entropy_unless_seeded(tmp_path, monkeypatch):
         run_federation(cfg, rd)
         finals.append(torch.load(rd.final_model)["subspace"])
     participations = 2 * cfg.run.rounds * cfg.federation.clients_per_round
-    assert len(draws) == participations and set(draws) == {63}
+    assert len(draws) == participations and set(draws) == {32}  # a 256-bit ChaCha20 key per client and round
     assert not torch.equal(*finals), "global seeds made the noise reproducible"
     draws.clear()
     cfg = load_config(None, [*CFG, f"run.output_dir={tmp_path}"])

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from rfedray.privacy.mechanism import per_sample_gradients
+from rfedray.privacy.randomness import SecureGenerator
 from rfedray.task import Params
 
 
@@ -50,10 +51,9 @@ def layers_of(names) -> dict[str, list[str]]:
     return out
 
 
-def laplace_noise(shape, scale: float, generator: torch.Generator, dtype: torch.dtype) -> Tensor:
-    """Laplace(0, scale) noise as the difference of two exponentials (finite for every draw)."""
-    u = torch.rand((2, *shape), generator=generator, dtype=torch.float64)
-    return (scale * (torch.log1p(-u[1]) - torch.log1p(-u[0]))).to(dtype)
+def laplace_noise(shape, scale: float, generator: SecureGenerator, dtype: torch.dtype) -> Tensor:
+    """Laplace(0, scale) noise drawn in float64 (:meth:`SecureGenerator.laplace`), cast to ``dtype``."""
+    return generator.laplace(tuple(shape), scale).to(dtype)
 
 
 def layer_l1_norms(grads: Params, layers: dict[str, list[str]]) -> dict[str, Tensor]:
@@ -72,7 +72,7 @@ class ClipPolicy(ABC):
         """``{layer: C_l}`` for this step (``state`` is the client's own, kept between rounds)."""
 
     def after_release(self, state: dict, norms: dict[str, Tensor], clips: dict[str, float],
-                      generator: torch.Generator) -> dict:
+                      generator: SecureGenerator) -> dict:
         """Further releases of the step (e.g. noisy counts); returns diagnostics."""
         return {}
 
@@ -194,7 +194,7 @@ class StepRelease:
 
 
 def ddpsa_step(loss, params: Params, batch: tuple[Tensor, ...], policy: ClipPolicy, state: dict,
-               noise_multiplier: Optional[float], generator: torch.Generator) -> StepRelease:
+               noise_multiplier: Optional[float], generator: SecureGenerator) -> StepRelease:
     """One DDP-SA step (see the module docstring); ``noise_multiplier=None`` adds no noise.
 
     Only the privatised gradient is meant to leave the client; ``clips`` and ``noise_scales``

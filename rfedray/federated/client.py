@@ -7,9 +7,10 @@ One local step (Algorithm 1 of the paper)::
 
 The client releases only its submission ``Agg.Sub(theta_t, theta_local)`` and its optimiser state,
 both functions of privatised gradients (post-processing). Its randomness (minibatches and noise)
-comes from a generator drawn from the operating system's entropy, unless the run fixes
-``privacy.noise_seed`` for reproducible experiments; then it is a function of
-``(noise_seed, client_id, round)`` only, so any process hosting the client reproduces it.
+comes from a ChaCha20 keystream keyed by 256 bits of the operating system's entropy
+(:mod:`rfedray.privacy.randomness`), unless the run fixes ``privacy.noise_seed`` for reproducible
+experiments; then the key is derived from ``(noise_seed, client_id, round)`` only, so any process
+hosting the client reproduces it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-import numpy as np
 import torch
 from torch import Tensor
 from torch.func import vmap
@@ -30,6 +30,7 @@ from rfedray.optim import build_optimizer
 from rfedray.privacy.mechanism import (
     noise_generator, nonprivate_gradient, private_gradient_with_noise, rule_gradient, sample_batch, standard_noise,
 )
+from rfedray.privacy.randomness import SecureGenerator
 from rfedray.task import ClientData, FederatedModel, Params
 
 
@@ -79,12 +80,10 @@ class ClientFailure:
     reason: str
 
 
-def round_generator(noise_seed: Optional[int], client_id: int, round_index: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The generator of one client's round, on ``device``: OS entropy, or derived from the fixed seed."""
-    if noise_seed is None:
-        return noise_generator(None, device)
-    derived = np.random.SeedSequence(entropy=noise_seed, spawn_key=(client_id, round_index)).generate_state(2)
-    return noise_generator(int(derived[0]) << 32 | int(derived[1]), device)
+def round_generator(noise_seed: Optional[int], client_id: int, round_index: int, device: torch.device | str = "cpu") -> SecureGenerator:
+    """The generator of one client's round, delivering on ``device``: keyed by OS entropy, or by a key
+    derived from the fixed seed and ``(client_id, round_index)``."""
+    return noise_generator(noise_seed, device, context=(client_id, round_index))
 
 
 class Client:
@@ -136,14 +135,14 @@ class Client:
         for name, opt in self._optimizers.items():
             opt.load_state_dict((optimizer_state or {}).get(name, {}))
 
-    def _draw_step(self, theta: Params, generator: torch.Generator) -> tuple[Tensor, Optional[Params]]:
+    def _draw_step(self, theta: Params, generator: SecureGenerator) -> tuple[Tensor, Optional[Params]]:
         """The randomness of one local step, drawn from ``generator`` in this order.
 
         Parameters
         ----------
         theta : dict of Tensor
             Any point of the model: gives the noise its shapes, dtypes and device.
-        generator : torch.Generator
+        generator : SecureGenerator
             This client's generator of the round.
 
         Returns
@@ -151,7 +150,7 @@ class Client:
         index : Tensor
             The minibatch, ``(B,)`` distinct record indices (:func:`sample_batch`).
         noise : dict of Tensor or None
-            Standard Gaussian ambient noise ``{g: (*shape_g)}`` (:func:`standard_noise`); ``None``
+            Standard Gaussian ambient noise ``{g: (*shape_g)}``, float64 (:func:`standard_noise`); ``None``
             for the non-private baseline.
         """
         index = sample_batch(self.num_records, self.plan.batch_size, generator)

@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rfedray.config import ConfigError, _check_unknown_keys, _deep_merge, _dotlist_to_dict, _read_yaml
+from rfedray.config import ConfigError, _check_unknown_keys, _deep_merge, _dotlist_to_dict, _read_yaml, check_noise_seed
 
 DATA_MODULES = {"sklearn": "rfedray.data.sklearn_data", "vision": "rfedray.data.vision"}
 MODEL_MODULES = {"logreg": "rfedray.models.logreg", "mlp": "rfedray.models.mlp"}
@@ -139,6 +139,7 @@ def _validate_common(cfg) -> None:
         _positive("privacy.noise_multiplier", p.noise_multiplier)
     if p.enabled and p.epsilon is None and p.noise_multiplier is None:
         raise ConfigError("privacy.epsilon", None, "give a target epsilon or a noise_multiplier (or privacy.enabled=false)")
+    check_noise_seed("privacy.noise_seed", p.noise_seed)
     _choice("data.name", cfg.data.name, tuple(DATA_MODULES))
     _choice("model.name", cfg.model.name, tuple(MODEL_MODULES))
     from rfedray import registry

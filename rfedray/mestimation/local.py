@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from rfedray.geometry import Euclidean, ProductManifold
-from rfedray.privacy.mechanism import nonprivate_gradient, private_gradient, sample_batch
+from rfedray.privacy.mechanism import nonprivate_gradient, private_gradient, sample_batch, scaled_noise
+from rfedray.privacy.randomness import SecureGenerator
 from rfedray.task import Params
 
 PAIR_FACTOR = math.sqrt(2.0)
@@ -67,7 +68,7 @@ def euclidean_product(params: Params) -> ProductManifold:
 
 
 def step_gradient(loss: Callable, params: Params, batch: tuple[Tensor, ...], clip: float,
-                  sigma: Optional[float], generator: torch.Generator) -> Params:
+                  sigma: Optional[float], generator: SecureGenerator) -> Params:
     """The project's Gaussian mechanism on the clipped mean gradient (non-private when ``sigma`` is None)."""
     product = euclidean_product(params)
     if sigma is None:
@@ -112,7 +113,7 @@ class VmapHessian:
 
 
 def private_hessian(model, params: Params, batch: tuple[Tensor, ...], clip: float, sigma: Optional[float],
-                    generator: torch.Generator, chunk_size: int = 32) -> Tensor:
+                    generator: SecureGenerator, chunk_size: int = 32) -> Tensor:
     """``sym(mean of Frobenius-clipped per-record Hessians + N(0, sigma^2))``, shape ``(P, P)``.
 
     Per-record Hessians come from the model's closed form when it has one
@@ -129,7 +130,7 @@ def private_hessian(model, params: Params, batch: tuple[Tensor, ...], clip: floa
         Frobenius clip ``C_H`` > 0.
     sigma : float or None
         Noise std of every entry; ``None``: no noise and no clipping (the non-private baseline).
-    generator : torch.Generator
+    generator : SecureGenerator
     chunk_size : int
         Records per vmapped chunk of the fallback.
     """
@@ -145,7 +146,7 @@ def private_hessian(model, params: Params, batch: tuple[Tensor, ...], clip: floa
         weights = (clip / norms.clamp_min(1e-30)).clamp(max=1.0) / size
     mean = source.weighted_hessian_sum(params, weights, *batch)
     if sigma is not None:
-        mean = mean + sigma * torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
+        mean = mean + scaled_noise(generator.standard_normal(mean.shape), sigma, mean)
     return 0.5 * (mean + mean.mT)
 
 
@@ -181,7 +182,7 @@ class StepPlan:
     def sigma(self, clip: float, factor: float = 1.0) -> Optional[float]:
         return None if self.noise_multiplier is None else factor * self.noise_multiplier * clip
 
-    def batch(self, data: tuple[Tensor, ...], generator: torch.Generator) -> tuple[Tensor, ...]:
+    def batch(self, data: tuple[Tensor, ...], generator: SecureGenerator) -> tuple[Tensor, ...]:
         m = int(data[0].shape[0])
         index = sample_batch(m, min(self.batch_size, m), generator)
         return tuple(t[index] for t in data)

@@ -17,8 +17,7 @@ clipping decisions are never returned or stored.
 
 from __future__ import annotations
 
-import secrets
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -26,6 +25,7 @@ from torch.func import grad, vmap
 
 from rfedray.geometry import ProductManifold
 from rfedray.privacy import checks
+from rfedray.privacy.randomness import SecureGenerator, check_seed, seeded_or_fresh
 
 Params = dict[str, Tensor]
 LossFn = Callable[..., Tensor]
@@ -54,32 +54,30 @@ class PerSampleRule(Protocol):
         ``(..., B)`` and a record with weight 0 contributes exactly 0, even if its values are not finite."""
 
 
-def noise_generator(seed: Optional[int], device: str | torch.device = "cpu") -> torch.Generator:
-    """The random generator of a client's batches and noise.
+def noise_generator(seed: Optional[int], device: str | torch.device = "cpu", context: Sequence[int] = ()) -> SecureGenerator:
+    """The random generator of a client's batches and noise (:mod:`rfedray.privacy.randomness`).
 
     Parameters
     ----------
     seed : int or None
-        ``None`` (production): 63 bits of operating-system entropy (:mod:`secrets`), so the noise
-        cannot be predicted from anything in the run. An integer >= 0 fixes it (reproducible
-        experiments only).
+        ``None`` (production): a ChaCha20 keystream keyed by 256 bits of operating-system entropy,
+        so the noise cannot be predicted from anything in the run. An integer in ``[0, 2^128)``
+        fixes it (reproducible experiments only): the key is derived from the seed and ``context``.
     device : str or torch.device
-        Device of the generator; it must be the device of the parameters.
+        Where its draws are delivered: the device of the parameters.
+    context : sequence of int
+        Names the stream of a seeded generator, e.g. ``(client_id, round)``.
 
     Returns
     -------
-    torch.Generator
+    SecureGenerator
     """
-    if seed is None:
-        seed = secrets.randbits(63)
-    elif isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise checks.PrivacyParameterError("seed", seed, "must be None (OS entropy) or an integer >= 0")
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+    if seed is not None:
+        check_seed(seed)
+    return seeded_or_fresh(seed, context, device)
 
 
-def sample_batch(num_records: int, batch_size: int, generator: torch.Generator) -> Tensor:
+def sample_batch(num_records: int, batch_size: int, generator: SecureGenerator) -> Tensor:
     """Exactly ``batch_size`` distinct record indices, uniformly without replacement.
 
     This is the sampling the accountants assume (never Poisson): every subset of size ``B`` is
@@ -91,7 +89,7 @@ def sample_batch(num_records: int, batch_size: int, generator: torch.Generator) 
         ``m`` >= 1.
     batch_size : int
         ``B`` in [1, m].
-    generator : torch.Generator
+    generator : SecureGenerator
 
     Returns
     -------
@@ -99,7 +97,7 @@ def sample_batch(num_records: int, batch_size: int, generator: torch.Generator) 
         int64 indices, shape ``(B,)``, on the generator's device.
     """
     batch_size, num_records = checks.batch_within(batch_size, num_records)
-    return torch.randperm(num_records, generator=generator, device=generator.device)[:batch_size]
+    return generator.subset(num_records, batch_size)
 
 
 def per_sample_gradients(loss_fn: LossFn, params: Params, records: tuple[Tensor, ...]) -> Params:
@@ -134,29 +132,32 @@ def _check_records(records: tuple[Tensor, ...]) -> int:
     return size
 
 
-def standard_noise(product: ProductManifold, params: Params, generator: torch.Generator) -> Params:
-    """One standard Gaussian ambient draw per group, in the product's group order.
+def standard_noise(product: ProductManifold, params: Params, generator: SecureGenerator) -> Params:
+    """One standard Gaussian ambient draw per group, in float64, in the product's group order.
 
-    The private step adds ``sigma`` times its tangent projection. A client draws its minibatch with
-    :func:`sample_batch`, then this noise, from its own generator at every step.
+    The private step adds ``sigma`` times its tangent projection, scaled in float64 and only then
+    cast to the model's dtype (a float32 draw would be a truncated Gaussian). A client draws its
+    minibatch with :func:`sample_batch`, then this noise, from its own generator at every step.
 
     Parameters
     ----------
     product : ProductManifold
     params : dict of Tensor
-        ``{g: (*shape_g)}``; the noise has their shapes, dtypes and device.
-    generator : torch.Generator
-        On the device of ``params``.
+        ``{g: (*shape_g)}``; the noise has their shapes (dtype float64) and device.
+    generator : SecureGenerator
+        Delivering on the device of ``params``.
 
     Returns
     -------
     dict of Tensor
-        ``{g: (*shape_g)}``, entries i.i.d. ``N(0, 1)``.
+        ``{g: (*shape_g)}`` float64, entries i.i.d. ``N(0, 1)``.
     """
-    return {
-        g: torch.randn(params[g].shape, generator=generator, dtype=params[g].dtype, device=params[g].device)
-        for g in product.groups
-    }
+    return {g: generator.standard_normal(params[g].shape) for g in product.groups}
+
+
+def scaled_noise(noise: Tensor, sigma: float, like: Tensor) -> Tensor:
+    """``sigma * noise`` computed in float64 (or ``noise``'s dtype if wider), then cast to ``like``'s dtype."""
+    return (sigma * noise).to(like.dtype)
 
 
 def private_gradient(
@@ -167,7 +168,7 @@ def private_gradient(
     *,
     clip: float,
     sigma: float,
-    generator: torch.Generator,
+    generator: SecureGenerator,
     rule: Optional[PerSampleRule] = None,
 ) -> Params:
     """The privatised tangent gradient of one step on a minibatch.
@@ -187,8 +188,8 @@ def private_gradient(
     sigma : float
         Absolute standard deviation > 0 of the ambient Gaussian noise added to every group (not a
         multiplier of ``C``).
-    generator : torch.Generator
-        Source of the noise (see :func:`noise_generator`); on the device of ``params``.
+    generator : SecureGenerator
+        Source of the noise (see :func:`noise_generator`); delivering on the device of ``params``.
     rule : PerSampleRule or None
         The model's closed-form per-record gradients (its ``gradient_rule``); ``None``: by
         ``vmap(grad(loss_fn))``.
@@ -244,7 +245,8 @@ def private_gradient_with_noise(
     loss_fn, params, product, records, clip, sigma
         As in :func:`private_gradient`.
     noise : dict of Tensor
-        ``{g: (*shape_g)}``, standard Gaussian ambient noise.
+        ``{g: (*shape_g)}``, standard Gaussian ambient noise (float64, :func:`standard_noise`; it is
+        scaled by ``sigma`` before it is cast to the model's dtype).
     rule : PerSampleRule or None
         The model's closed-form per-record gradients; ``None``: ``vmap(grad(loss_fn))``.
 
@@ -269,7 +271,7 @@ def private_gradient_with_noise(
     total = torch.tensordot(scale, torch.where(finite[:, None], flat, 0.0), dims=1)
     parts = torch.split(total, [c[0].numel() for c in coords.values()])
     return {
-        g: charts[g].vector(part.view(coords[g].shape[1:]) + sigma * charts[g].coordinates(noise[g]))
+        g: charts[g].vector(part.view(coords[g].shape[1:]) + charts[g].coordinates(scaled_noise(noise[g], sigma, part)))
         for (g, part) in zip(coords, parts)
     }
 
@@ -304,7 +306,7 @@ def rule_gradient(
         Each ``(..., B, ...)``.
     clip, sigma : float
     noise : dict of Tensor
-        ``{g: (..., *shape_g)}`` standard Gaussian.
+        ``{g: (..., *shape_g)}`` standard Gaussian (float64: scaled, then cast).
     batch_size : int
         ``B``.
 
@@ -316,7 +318,7 @@ def rule_gradient(
     norms = rule.tangent_norms(params, records)
     scale = torch.where(torch.isfinite(norms), torch.clamp(clip / norms, max=1.0), 0.0) / batch_size
     total = rule.weighted_gradient(params, records, scale)
-    return product.proj_tangent(params, {g: total[g] + sigma * noise[g] for g in product.groups})
+    return product.proj_tangent(params, {g: total[g] + scaled_noise(noise[g], sigma, total[g]) for g in product.groups})
 
 
 def nonprivate_gradient(
