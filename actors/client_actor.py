@@ -35,6 +35,7 @@ from rfedray.federated.client import ClientFailure, LocalPlan, LocalResult
 from rfedray.federated.executor import LocalExecutor
 from rfedray.federated.setup import build_dataset, build_model
 from rfedray.task import ClientData
+from rfedray.threads import use_threads
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +92,11 @@ class ClientActor:
     plan : LocalPlan
         What every client does in a round.
     threads : int
-        torch intra-op threads of this process.
+        torch and BLAS threads of this process (:func:`rfedray.threads.choose_threads`).
     """
 
     def __init__(self, cfg: Config, client_ids: Sequence[int], plan: LocalPlan, threads: int):
-        torch.set_num_threads(threads)
+        use_threads(threads)
         importlib.import_module("torch._dynamo")  # torch.func loads it on first use (seconds): not in round 0's deadline
         self.device = resolve_device(cfg.ray.device)
         dataset = build_dataset(cfg)
@@ -215,10 +216,13 @@ class ClientPool:
     plan : LocalPlan
     blocks : list of list of int
         The clients of every actor (see :func:`assign_clients`).
+    threads : int
+        torch and BLAS threads of every actor (at most ``ray.num_cpus_per_actor``, see
+        :func:`rfedray.threads.choose_threads`).
     """
 
-    def __init__(self, cfg: Config, plan: LocalPlan, blocks: list[list[int]]):
-        self.cfg, self.plan, self.blocks = cfg, plan, blocks
+    def __init__(self, cfg: Config, plan: LocalPlan, blocks: list[list[int]], threads: int):
+        self.cfg, self.plan, self.blocks, self.threads = cfg, plan, blocks, threads
         self.placement_group: Optional[PlacementGroup] = None
         if cfg.ray.placement != "SPREAD":
             self.placement_group = self._reserve()
@@ -254,8 +258,7 @@ class ClientPool:
             num_cpus=r.num_cpus_per_actor, num_gpus=r.num_gpus_per_actor, max_restarts=r.max_restarts,
             max_task_retries=0, scheduling_strategy=strategy,
         )
-        threads = max(1, int(r.num_cpus_per_actor))
-        return actor_cls.remote(self.cfg, self.blocks[slot], self.plan, threads)
+        return actor_cls.remote(self.cfg, self.blocks[slot], self.plan, self.threads)
 
     def wait_ready(self) -> list[dict]:
         """Block until every actor is up; return their :meth:`ClientActor.describe`.

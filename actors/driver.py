@@ -46,6 +46,7 @@ from rfedray.federated.resume import accounting_fingerprint
 from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.setup import local_plan
 from rfedray.task import Params
+from rfedray.threads import choose_threads
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,9 @@ class RayExecutor:
         resources = ray.cluster_resources()
         blocks = assign_clients(cfg.federation.n_clients, cfg, resources.get("CPU", 0.0))
         check_capacity(cfg, len(blocks), resources)
-        self.pool = ClientPool(cfg, local_plan(cfg, fed.privacy), blocks)
+        threads = choose_threads(cfg.federation.batch_size, fed.dataset.info["record_shape"],
+                                 max(1, int(cfg.ray.num_cpus_per_actor)), cfg.run.threads)
+        self.pool = ClientPool(cfg, local_plan(cfg, fed.privacy), blocks, threads)
         ledger = fed.make_ledger()
         if ledger is not None:
             fingerprint = accounting_fingerprint(cfg, fed.privacy, fed.sizes)

@@ -72,6 +72,7 @@ class RunConfig:
     engine: str = "ray"
     checkpoint_every: int = 10
     evaluate_every: int = 1
+    threads: Optional[int] = None  # torch/BLAS threads of a process that trains; None: from the work (rfedray.threads)
 
 
 @dataclass
@@ -323,6 +324,8 @@ def validate(cfg: Config) -> None:
     _positive_int("run.rounds", r.rounds)
     _positive_int("run.checkpoint_every", r.checkpoint_every)
     _positive_int("run.evaluate_every", r.evaluate_every)
+    if r.threads is not None:
+        _positive_int("run.threads", r.threads)
     if r.seed < 0:
         raise ConfigError("run.seed", r.seed, "must be an integer >= 0")
     if not r.output_dir:

@@ -114,10 +114,15 @@ def run(cfg: Config, run_dir: RunDirectory, *, quiet: bool = False, resume: bool
 
 
 def run_local(cfg: Config, run_dir: RunDirectory, observers: list, *, resume: bool = False) -> dict:
-    """The whole federation in this process, metrics endpoint included; return the summary."""
+    """The whole federation in this process, metrics endpoint included; return the summary.
+
+    The process's torch and BLAS threads are chosen from the work (:mod:`rfedray.threads`).
+    """
     from rfedray.federated.loop import Federation
+    from rfedray.threads import available_cpus, choose_threads, use_threads
 
     fed = Federation.prepare(cfg, run_dir, observers)
+    use_threads(choose_threads(cfg.federation.batch_size, fed.dataset.info["record_shape"], available_cpus(), cfg.run.threads))
     with ExitStack() as stack:
         attach_metrics(fed, stack)
         executor = fed.local_executor()

@@ -58,7 +58,7 @@ class FederatedDataset(Protocol):
     """Client partitions, loadable independently (by whichever process hosts the client)."""
 
     num_clients: int
-    info: dict[str, Any]
+    info: dict[str, Any]  # what models and engines read: "task", "dtype", "record_shape" (one record's shape), ...
 
     def client_data(self, client_id: int) -> ClientData:
         """Load (or generate) the partition of one client, deterministically."""

@@ -105,6 +105,15 @@ def test_clients_are_sticky_and_built_inside_the_actors(tmp_path):
                for r in answer.values())
 
 
+def test_client_actors_take_the_threads_of_run_threads(tmp_path):
+    cfg = small_cfg(tmp_path, "run.engine=ray", "run.threads=2", "ray.num_cpus_per_actor=2")
+    executor = ray_executor(Federation.prepare(cfg, RunDirectory.create(str(tmp_path), "threads")))
+    try:
+        assert [a["threads"] for a in executor.describe()] == [2]
+    finally:
+        executor.close()
+
+
 def test_accountant_actor_halts_at_the_target_in_a_placement_group(tmp_path):
     cfg = small_cfg(tmp_path)
     ledger = Federation.prepare(cfg, RunDirectory.create(str(tmp_path), "ledger")).make_ledger()

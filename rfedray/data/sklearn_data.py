@@ -156,7 +156,7 @@ class ArrayFederation:
     def info(self) -> dict:
         a = self.arrays
         return {"task": a.task, "dataset": self._name, "num_features": int(a.x_train.shape[1]),
-                "num_classes": a.num_classes, "dtype": self._dtype_name}
+                "record_shape": (int(a.x_train.shape[1]),), "num_classes": a.num_classes, "dtype": self._dtype_name}
 
     @cached_property
     def _parts(self) -> list[np.ndarray]:

@@ -83,7 +83,8 @@ class SyntheticPCA:
         self.num_clients = n_clients
         self.seed = seed
         self.dtype = DTYPES[options.dtype]
-        self.info = {"task": "pca", "d": options.d, "p": options.p, "dataset": "synthetic_pca", "dtype": options.dtype}
+        self.info = {"task": "pca", "d": options.d, "p": options.p, "dataset": "synthetic_pca", "dtype": options.dtype,
+                     "record_shape": (options.d,)}
 
     def _basis(self) -> np.ndarray:
         o = self.options
