@@ -135,7 +135,7 @@ def ray_instance(num_cpus: int = 2):
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=200 * 1024**2,
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=200 * 1024**2,
                  log_to_driver=False, logging_level=logging.WARNING)
     try:
         yield

@@ -50,7 +50,7 @@ def run_engine(tmp_path, name, *overrides, engine="ray", observers=None):
 
 
 def start_test_ray(**kwargs):
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,
              log_to_driver=False, logging_level=logging.WARNING, **kwargs)
 
 
