@@ -1,7 +1,10 @@
 """The Ray layer that distributes :mod:`rfedray.federated` (``run.engine: ray``).
 
-* :mod:`actors.driver`: connects to (or starts) Ray, starts the server actor, follows its progress
-  and provides :func:`~actors.driver.ray_executor`.
+* :mod:`actors.driver`: connects to (or starts) Ray, starts the server actor and follows its
+  progress (the driver process).
+* :mod:`actors.session`: this process's connection to Ray (a cluster, or a local instance).
+* :mod:`actors.engine`: the Ray executor, a cohort's training on the client actors within the round
+  deadline (:func:`~actors.engine.ray_executor`).
 * :mod:`actors.server_actor`: the server actor, pinned to the driver's node: it runs the federation
   loop (cohorts, aggregation, evaluation, checkpoints), owns the run directory and exports the
   Prometheus metrics.

@@ -8,7 +8,7 @@ What runs where (``rfedray run`` with ``run.engine: ray``):
 * the :class:`ServerActor`, pinned to the driver's node so that the run directory is on the
   driver's disk, builds the :class:`~rfedray.federated.loop.Federation` from the configuration and
   runs :meth:`~rfedray.federated.loop.Federation.run` with the Ray executor
-  (:func:`actors.driver.ray_executor`): cohort draw, write-ahead charge, theta_t put once per round,
+  (:func:`actors.engine.ray_executor`): cohort draw, write-ahead charge, theta_t put once per round,
   concurrent client calls within ``ray.round_timeout_s``, aggregation, evaluation,
   ``metrics.jsonl``, checkpoints and ``summary.json``. It serves the run's Prometheus endpoint
   (``monitoring.metrics_port``), so the metrics come from one place and do not depend on the
@@ -30,11 +30,11 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.accountant_actor import user_errors_as_rfedray_errors
-from actors.driver import ray_executor
+from actors.engine import ray_executor
 from rfedray.config import Config
 from rfedray.federated.loop import Federation
 from rfedray.federated.rundir import RunDirectory, atomic_write_json
-from rfedray.runner import attach_metrics
+from rfedray.observers import attach_metrics
 
 SERVER_NAMESPACE = "rfedray"
 """Ray namespace of the server actors, each named ``server-<run id>`` (``ray list actors`` shows them)."""

@@ -22,7 +22,8 @@ import statistics
 import time
 
 from rfedray.privacy import paper
-from rfedray.privacy.accountants import ExactAccountant, PrivacyLedger, calibrate_sigma
+from rfedray.privacy.accountants import ExactAccountant, calibrate_sigma
+from rfedray.privacy.ledger import PrivacyLedger
 
 
 def _cpu(fn) -> float:

@@ -27,7 +27,8 @@ import psutil
 import ray
 import torch
 
-from actors.driver import LOCAL_OBJECT_STORE_BYTES, ray_executor
+from actors.engine import ray_executor
+from actors.session import LOCAL_OBJECT_STORE_BYTES
 from rfedray.config import load_config
 from rfedray.federated.loop import Federation
 from rfedray.federated.rundir import RunDirectory

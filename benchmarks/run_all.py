@@ -181,7 +181,7 @@ def main() -> None:
         if uses_ray:
             import ray
 
-            from actors.driver import LOCAL_OBJECT_STORE_BYTES
+            from actors.session import LOCAL_OBJECT_STORE_BYTES
 
             ray.init(address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                      log_to_driver=False)

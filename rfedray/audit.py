@@ -329,9 +329,9 @@ def _json_safe(report: dict) -> dict:
 
 def cmd_audit(args: argparse.Namespace) -> int:
     """Exit status 0 when the audit is consistent with the accountant, 1 on a violation."""
-    from rfedray.cli import _load
+    from rfedray.config import load_items
 
-    cfg = _load(args.items, ["run.engine=local"])
+    cfg = load_items(args.items, ["run.engine=local"])
     plan = AuditPlan(
         trials=args.trials, noise_scale=args.noise_scale, clip_scale=args.clip_scale, canary_norm=args.canary_norm,
         canary_client=args.canary_client, confidence=args.confidence, seed=args.seed,

@@ -31,42 +31,28 @@ SUBCOMMAND_MODULES = (
 )
 
 
-def _split_config_and_overrides(items: Sequence[str]) -> tuple[Optional[str], list[str]]:
-    """The first positional is the config file unless it looks like ``key=value``."""
-    items = list(items)
-    if items and "=" not in items[0]:
-        return items[0], items[1:]
-    return None, items
-
-
-def _load(items: Sequence[str], extra: Sequence[str] = ()):
-    from rfedray.config import load_config
-
-    path, overrides = _split_config_and_overrides(items)
-    return load_config(path, [*overrides, *extra])
-
-
 def cmd_config_show(args: argparse.Namespace) -> int:
-    from rfedray.config import to_yaml
+    from rfedray.config import load_items, to_yaml
 
-    print(to_yaml(_load(args.items)), end="")
+    print(to_yaml(load_items(args.items)), end="")
     return 0
 
 
 def _resume_config(args: argparse.Namespace):
-    from rfedray.config import load_config
+    from rfedray.config import load_config, split_items
 
     run_dir = Path(args.resume)
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         raise RfedrayError(f"--resume {run_dir}: not a run directory (no config.yaml there)")
-    path, overrides = _split_config_and_overrides(args.items)
+    path, overrides = split_items(args.items)
     if path is not None:
         raise RfedrayError("--resume: give key=value overrides only; the config is the run directory's config.yaml")
     return load_config(saved, overrides)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from rfedray.config import load_items
     from rfedray.federated.rundir import RunDirectory, new_run_id
     from rfedray.runner import run
 
@@ -77,7 +63,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             cfg.run.engine = args.engine
         run_dir = RunDirectory(args.resume)
     else:
-        cfg = _load(args.items, extra)
+        cfg = load_items(args.items, extra)
         run_dir = RunDirectory.create(cfg.run.output_dir, new_run_id(cfg.run.name))
     print(run_dir.path, flush=True)
     try:

@@ -13,18 +13,18 @@ the options dataclass that the chosen model or data source registers (see
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from rfedray.errors import RfedrayError
+from rfedray.errors import ConfigError
+from rfedray.options import closest
 
 ENGINES = ("ray", "local")
 ACCOUNTANTS = ("exact", "clt", "prirfed")
@@ -35,30 +35,6 @@ OPTIMIZERS = ("rsgd", "sgd", "adam")
 SCHEDULES = ("constant", "step", "cosine")
 PLACEMENTS = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
 DEVICES = ("auto", "cpu", "cuda")
-
-
-class ConfigError(RfedrayError, ValueError):
-    """A configuration value that is not allowed.
-
-    Parameters
-    ----------
-    field : str
-        Dotted path of the offending field, e.g. ``federation.clients_per_round``.
-    value : Any
-        The value that was given.
-    allowed : str
-        What would have been accepted.
-    """
-
-    def __init__(self, field: str, value: Any, allowed: str):
-        self.field = field
-        self.value = value
-        self.allowed = allowed
-        super().__init__(f"{field}={value!r}: {allowed}")
-
-    def __reduce__(self):
-        # Picklable with its three arguments, so it crosses process (Ray) boundaries intact.
-        return (type(self), (self.field, self.value, self.allowed))
 
 
 @dataclass
@@ -194,11 +170,6 @@ def _all_keys(dc: Any, prefix: str = "") -> list[str]:
     return keys
 
 
-def _closest(key: str, candidates: list[str]) -> str:
-    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
-    return f" (did you mean {match[0]!r}?)" if match else ""
-
-
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError("config", str(path), "config file not found")
@@ -223,7 +194,7 @@ def _check_unknown_keys(data: dict, schema: Any, prefix: str = "") -> None:
         path = f"{prefix}{key}"
         if key not in names:
             candidates = [f"{prefix}{n}" for n in names]
-            raise ConfigError(path, value, "unknown key" + _closest(path, candidates))
+            raise ConfigError(path, value, "unknown key" + closest(path, candidates))
         f = names[key]
         default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
         if is_dataclass(default) and isinstance(value, dict):
@@ -254,6 +225,37 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
+def read_layers(path: Optional[str | os.PathLike] = None, overrides: Optional[list[str]] = None) -> dict:
+    """A YAML file (if any) with ``key=value`` overrides merged over it, as a plain nested dict.
+
+    Raises
+    ------
+    ConfigError
+        For a missing file, a YAML syntax error or an override that is not ``key=value``.
+    """
+    data: dict = _read_yaml(Path(path)) if path is not None else {}
+    if overrides:
+        data = _deep_merge(data, _dotlist_to_dict(overrides))
+    return data
+
+
+def structured(schema: type, data: dict) -> Any:
+    """``data`` merged onto the defaults of the dataclass ``schema``, type-checked (not validated).
+
+    Raises
+    ------
+    ConfigError
+        For an unknown key (naming the closest valid one) or a value of the wrong type.
+    """
+    _check_unknown_keys(data, schema)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), data)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "config"
+        raise ConfigError(str(key), getattr(exc, "value", None), str(exc).splitlines()[0]) from None
+    return OmegaConf.to_object(merged)
+
+
 def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[list[str]] = None) -> Config:
     """Defaults, then a YAML file, then ``key=value`` overrides; validated.
 
@@ -263,40 +265,39 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[li
         For a missing file, a YAML syntax error, an unknown key, a wrong type or any value outside
         its allowed range.
     """
-    data: dict = _read_yaml(Path(path)) if path is not None else {}
-    if overrides:
-        data = _deep_merge(data, _dotlist_to_dict(overrides))
-    return config_from_dict(data)
+    return config_from_dict(read_layers(path, overrides))
 
 
 def config_from_dict(data: dict) -> Config:
     """Merge a plain nested dict onto the defaults, type-check it and validate it."""
-    _check_unknown_keys(data, Config)
-    schema = OmegaConf.structured(Config)
-    try:
-        merged = OmegaConf.merge(schema, data)
-    except (ValidationError, ConfigKeyError) as exc:
-        key = getattr(exc, "full_key", None) or "config"
-        value = getattr(exc, "value", None)
-        msg = str(exc).splitlines()[0]
-        raise ConfigError(str(key), value, msg) from None
-    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    cfg: Config = structured(Config, data)
     validate(cfg)
     return cfg
 
 
-def to_yaml(cfg: Config) -> str:
-    """The resolved configuration as YAML (what ``config show`` prints and runs save)."""
+def split_items(items: Sequence[str]) -> tuple[Optional[str], list[str]]:
+    """``[CONFIG] [key=value ...]`` as the config file (or None) and the overrides: the first item
+    is the file unless it looks like ``key=value``."""
+    items = list(items)
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+def load_items(items: Sequence[str], extra: Sequence[str] = ()) -> Config:
+    """The configuration of ``[CONFIG] [key=value ...]`` with ``extra`` overrides after them."""
+    path, overrides = split_items(items)
+    return load_config(path, [*overrides, *extra])
+
+
+def to_yaml(cfg: Any) -> str:
+    """A resolved configuration (any schema) as YAML (what ``config show`` prints and runs save)."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def to_dict(cfg: Config) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
 
 
 def _choice(fieldname: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
-        raise ConfigError(fieldname, value, "must be one of " + ", ".join(allowed) + _closest(str(value), list(allowed)).replace("did you mean", "closest"))
+        raise ConfigError(fieldname, value, "must be one of " + ", ".join(allowed) + closest(str(value), list(allowed)).replace("did you mean", "closest"))
 
 
 def _positive_int(fieldname: str, value: int) -> None:

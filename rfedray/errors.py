@@ -1,7 +1,35 @@
 """Errors meant for the user: the CLI prints their message on one line, without a traceback."""
 
+from __future__ import annotations
+
+from typing import Any
+
 
 class RfedrayError(Exception):
     """A problem the user can fix (bad input, unusable environment); exit status 2 in the CLI."""
 
     exit_code = 2
+
+
+class ConfigError(RfedrayError, ValueError):
+    """A setting that is not allowed: ``field=value: what is allowed``.
+
+    Parameters
+    ----------
+    field : str
+        Dotted path of the offending setting, e.g. ``federation.clients_per_round``.
+    value : Any
+        The value that was given.
+    allowed : str
+        What would have been accepted.
+    """
+
+    def __init__(self, field: str, value: Any, allowed: str):
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{field}={value!r}: {allowed}")
+
+    def __reduce__(self):
+        # Picklable with its three arguments, so it crosses process (Ray) boundaries intact.
+        return (type(self), (self.field, self.value, self.allowed))

@@ -26,7 +26,7 @@ from typing import Mapping, Optional, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_http_server
 
-from rfedray.config import ConfigError
+from rfedray.errors import ConfigError
 
 LABELS = ("run_id", "scheme", "dataset", "model")
 

@@ -8,12 +8,11 @@ their name is used, so that validating a federated-PCA config does not import MN
 from __future__ import annotations
 
 import importlib
-from dataclasses import fields
 from types import ModuleType
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from rfedray import options
+from rfedray.errors import ConfigError
 
 MODELS = {
     "fedpca": "rfedray.models.fedpca",
@@ -34,10 +33,8 @@ DATA_SOURCES = {
 
 
 def _module(table: dict[str, str], kind: str, name: str) -> ModuleType:
-    from rfedray.config import ConfigError, _closest
-
     if name not in table:
-        raise ConfigError(kind, name, "must be one of " + ", ".join(sorted(table)) + _closest(name, list(table)))
+        raise ConfigError(kind, name, "must be one of " + ", ".join(sorted(table)) + options.closest(name, list(table)))
     return importlib.import_module(table[name])
 
 
@@ -49,25 +46,10 @@ def data_module(name: str) -> ModuleType:
     return _module(DATA_SOURCES, "data.source", name)
 
 
-def resolve_options(module: ModuleType, options: dict[str, Any], field_prefix: str) -> Any:
-    """Type-check ``options`` against ``module.Options`` and return an instance of it."""
-    from rfedray.config import ConfigError, _closest
-
-    schema = module.Options
-    names = [f.name for f in fields(schema)]
-    for key, value in options.items():
-        if key not in names:
-            raise ConfigError(f"{field_prefix}.{key}", value, "unknown key" + _closest(key, names))
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), options)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", "") or ""
-        raise ConfigError(f"{field_prefix}.{key}".rstrip("."), getattr(exc, "value", None), str(exc).splitlines()[0]) from None
-    resolved = OmegaConf.to_object(merged)
-    check = getattr(resolved, "validate", None)
-    if check is not None:
-        check(field_prefix)
-    return resolved
+def resolve_options(module: ModuleType, values: dict[str, Any], field_prefix: str) -> Any:
+    """Type-check ``values`` against ``module.Options`` and return an instance of it (see
+    :func:`rfedray.options.resolve`)."""
+    return options.resolve(module.Options, values, field_prefix)
 
 
 def validate_options(cfg: Any) -> None:

@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 
-from actors.driver import ray_executor
+from actors.engine import ray_executor
 from rfedray.config import load_config
 from rfedray.federated.loop import Federation
 from rfedray.federated.rundir import RunDirectory, new_run_id

@@ -14,10 +14,10 @@ from rfedray.privacy.accountants import (
     CLTAccountant,
     ExactAccountant,
     PriRFedAccountant,
-    PrivacyLedger,
     StepMechanism,
     calibrate_sigma,
 )
+from rfedray.privacy.ledger import PrivacyLedger
 from rfedray.privacy.checks import PrivacyParameterError
 from rfedray.privacy.gdp import gdp_delta, gdp_epsilon, gdp_mu, subsampled_tradeoff
 from rfedray.privacy.pld import DiscretePLD, subsampled_gaussian_pld

@@ -12,7 +12,7 @@ from scipy.stats import binomtest
 from torch.func import grad, vmap
 
 from rfedray import registry
-from rfedray.config import ConfigError
+from rfedray.options import OptionsError
 from rfedray.data import eeg, synthetic_eeg
 from rfedray.data.eeg import DATASETS, DatasetUnavailableError, group_subjects, stratified_split
 from rfedray.models import spdnet
@@ -102,7 +102,7 @@ def test_synthetic_classes_are_separable_by_spdnet():
 def test_synthetic_options_validation():
     for field, value in [("channels", 1), ("num_classes", 1), ("trials_per_client", 3), ("amplitude", 0.0),
                          ("representation", "tangent"), ("estimator", "scm"), ("test_fraction", 1.0), ("dtype", "half")]:
-        with pytest.raises(ConfigError, match=f"data.options.{field}"):
+        with pytest.raises(OptionsError, match=f"data.options.{field}"):
             synthetic_eeg.Options(**{field: value}).validate("data.options")
     resolved = registry.resolve_options(registry.data_module("synthetic_eeg"), {"channels": 4}, "data.options")
     assert resolved.channels == 4
@@ -153,9 +153,9 @@ def test_moabb_options_validation():
            ("fmax", {"fmax": 70.0}), ("fmin", {"fmin": 40.0}), ("n_times", {"n_times": 400}),
            ("estimator", {"estimator": "scm"}), ("test_fraction", {"test_fraction": 0.0}), ("dtype", {"dtype": "int8"})]
     for field, options in bad:
-        with pytest.raises(ConfigError, match=f"data.options.{field}"):
+        with pytest.raises(OptionsError, match=f"data.options.{field}"):
             eeg.Options(**options).validate("data.options")
-    with pytest.raises(ConfigError, match="federation.n_clients"):
+    with pytest.raises(OptionsError, match="federation.n_clients"):
         eeg.build(eeg.Options(), n_clients=6, seed=0)
     resolved = registry.resolve_options(registry.data_module("moabb"), {"dataset": "Cho2017", "subjects": [1, 2]}, "data.options")
     assert resolved == eeg.Options(dataset="Cho2017", subjects=[1, 2])

@@ -7,7 +7,7 @@ import torch
 from torch.func import grad, vmap
 
 from rfedray import registry
-from rfedray.config import ConfigError
+from rfedray.options import OptionsError
 from rfedray.models import eegnet
 from rfedray.models.eegnet import EEGNet, EEGNetModule, same_padding
 from rfedray.task import EvalData
@@ -113,9 +113,9 @@ def test_a_few_steps_reduce_the_loss():
 
 
 def test_options_and_build_errors():
-    with pytest.raises(ConfigError, match="model.options.norm_groups"):
+    with pytest.raises(OptionsError, match="model.options.norm_groups"):
         eegnet.Options(norm_groups=3).validate("model.options")
-    with pytest.raises(ConfigError, match="representation"):
+    with pytest.raises(OptionsError, match="representation"):
         eegnet.build(eegnet.Options(), {**info(22, 513, 4), "representation": "covariance"})
     with pytest.raises(ValueError, match="n_times"):
         EEGNet(4, 16, 2)

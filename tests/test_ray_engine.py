@@ -17,7 +17,8 @@ import torch
 
 from actors.accountant_actor import RemoteLedger, start_accountant
 from actors.client_actor import assign_clients, check_capacity
-from actors.driver import check_ray_config, ray_executor
+from actors.engine import ray_executor
+from actors.session import check_ray_config
 from rfedray.config import ConfigError, load_config
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import LocalResult

@@ -19,7 +19,7 @@ import torch
 from ray.cluster_utils import Cluster
 
 from actors.accountant_actor import AccountantActor
-from actors.driver import ray_executor
+from actors.engine import ray_executor
 from rfedray.federated.client import ClientFailure
 from rfedray.federated.loop import Federation, run_federation
 from rfedray.federated.resume import accounting_fingerprint

@@ -17,7 +17,7 @@ from rfedray.federated.client import LocalResult
 from rfedray.federated.loop import Federation
 from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.server import Server
-from rfedray.runner import MetricsObserver
+from rfedray.observers import MetricsObserver
 
 BAD = 1
 SMALL = [

@@ -263,16 +263,16 @@ def test_noise_comes_from_os_entropy_unless_seeded(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("seed, marked", [("5", True), ("null", False)])
 def test_seeded_runs_are_marked_not_for_production(tmp_path, monkeypatch, seed, marked):
-    from rfedray import runner
+    from rfedray import observers as observers_module, runner
 
     observers = []
 
-    class Recording(runner.MetricsObserver):
+    class Recording(observers_module.MetricsObserver):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             observers.append(self)
 
-    monkeypatch.setattr(runner, "MetricsObserver", Recording)
+    monkeypatch.setattr(observers_module, "MetricsObserver", Recording)
     cfg = load_config(None, [*CFG, f"privacy.noise_seed={seed}", f"run.output_dir={tmp_path}", "monitoring.metrics_port=0"])
     rd = RunDirectory.create(str(tmp_path), "run")
     summary = runner.run(cfg, rd, quiet=True)

@@ -7,7 +7,7 @@ import torch
 from torch.func import grad, vmap
 
 from rfedray import registry
-from rfedray.config import ConfigError
+from rfedray.options import OptionsError
 from rfedray.geometry import Euclidean, Stiefel
 from rfedray.models import spdnet
 from rfedray.models.spdnet import SPDNet, bimap, bimap_dims, vech
@@ -198,15 +198,15 @@ def test_deeper_nets_chain_stiefel_groups():
 
 
 def test_options_and_build_errors():
-    with pytest.raises(ConfigError, match="model.options.d"):
+    with pytest.raises(OptionsError, match="model.options.d"):
         spdnet.Options(d=0).validate("model.options")
-    with pytest.raises(ConfigError, match="model.options.eps_reeig"):
+    with pytest.raises(OptionsError, match="model.options.eps_reeig"):
         spdnet.Options(eps_reeig=0.0).validate("model.options")
-    with pytest.raises(ConfigError, match="model.options.depth"):
+    with pytest.raises(OptionsError, match="model.options.depth"):
         spdnet.Options(depth=0).validate("model.options")
-    with pytest.raises(ConfigError, match="model.options.d"):
+    with pytest.raises(OptionsError, match="model.options.d"):
         spdnet.build(spdnet.Options(d=30), info(22, 4))
-    with pytest.raises(ConfigError, match="representation"):
+    with pytest.raises(OptionsError, match="representation"):
         spdnet.build(spdnet.Options(), {**info(22, 4), "representation": "raw"})
     with pytest.raises(ValueError, match="eps_reeig"):
         SPDNet(8, 2, 4, -1.0)

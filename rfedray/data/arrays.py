@@ -22,7 +22,7 @@ The whole file is checked when the source is built, before anything trains: it m
 readable ``.npz`` without pickled objects, hold exactly the federation's clients, and every array
 must have the layout above and a real numeric dtype; every record must be finite (covariances
 also symmetric positive definite) and every label an integer in ``[0, num_classes)``. The first
-problem raises a :class:`~rfedray.config.ConfigError` naming ``data.options.path``, the array,
+problem raises a :class:`~rfedray.options.OptionsError` naming ``data.options.path``, the array,
 the record and what to do. Each process that hosts clients (a Ray client actor) reads the file
 itself, so the path must be readable there too.
 """
@@ -38,11 +38,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from rfedray.config import ConfigError
+from rfedray.options import DTYPES, OptionsError
 from rfedray.data.validation import first_nonfinite, spd_problem
 from rfedray.task import ClientData, EvalData
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 KEY = re.compile(r"^(x|y)_(\d+|test)$")
 
 
@@ -115,7 +114,7 @@ class PCATask:
     @staticmethod
     def info(options: "Options", shape: tuple[int, ...], labels: list[np.ndarray]) -> dict[str, Any]:
         if not 1 <= options.p < shape[0]:
-            raise ConfigError("data.options.p", options.p, f"must be between 1 and d-1 ({shape[0] - 1})")
+            raise OptionsError("data.options.p", options.p, f"must be between 1 and d-1 ({shape[0] - 1})")
         return {"p": options.p}
 
     @staticmethod
@@ -215,20 +214,20 @@ class Options:
 
     def validate(self, prefix: str) -> None:
         if not self.path:
-            raise ConfigError(f"{prefix}.path", self.path, "give the .npz file of the clients' arrays")
+            raise OptionsError(f"{prefix}.path", self.path, "give the .npz file of the clients' arrays")
         if not Path(self.path).expanduser().is_file():
-            raise ConfigError(f"{prefix}.path", self.path, "no such file; give the .npz file of the clients' arrays")
+            raise OptionsError(f"{prefix}.path", self.path, "no such file; give the .npz file of the clients' arrays")
         if self.task not in TASKS:
-            raise ConfigError(f"{prefix}.task", self.task, "must be one of " + ", ".join(TASKS))
+            raise OptionsError(f"{prefix}.task", self.task, "must be one of " + ", ".join(TASKS))
         if self.representation not in TASKS[self.task].representations:
-            raise ConfigError(f"{prefix}.representation", self.representation,
+            raise OptionsError(f"{prefix}.representation", self.representation,
                               f"task {self.task} takes " + ", ".join(TASKS[self.task].representations))
         if self.num_classes is not None and self.num_classes < 2:
-            raise ConfigError(f"{prefix}.num_classes", self.num_classes, "must be null (from the labels) or an integer >= 2")
+            raise OptionsError(f"{prefix}.num_classes", self.num_classes, "must be null (from the labels) or an integer >= 2")
         if self.p < 1:
-            raise ConfigError(f"{prefix}.p", self.p, "must be an integer >= 1")
+            raise OptionsError(f"{prefix}.p", self.p, "must be an integer >= 1")
         if self.dtype not in DTYPES:
-            raise ConfigError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
+            raise OptionsError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
 
 
 class ArraysFederation:
@@ -242,7 +241,7 @@ class ArraysFederation:
 
     Raises
     ------
-    ConfigError
+    OptionsError
         For the first problem of the file (see the module docstring).
     """
 
@@ -256,8 +255,8 @@ class ArraysFederation:
         self.dtype = DTYPES[options.dtype]
         self._x, self._y, self.info = self._check(self._read())
 
-    def _fail(self, problem: str) -> ConfigError:
-        return ConfigError("data.options.path", self.path, problem)
+    def _fail(self, problem: str) -> OptionsError:
+        return OptionsError("data.options.path", self.path, problem)
 
     def _read(self) -> dict[str, np.ndarray]:
         """Every array of the file, refusing anything that is not a plain ``.npz`` of numbers."""
@@ -285,7 +284,7 @@ class ArraysFederation:
         clients = sorted({int(m.group(2)) for key in arrays if (m := KEY.match(key)) and m.group(2) != "test"})
         held = len(clients)
         if clients != list(range(held)) or held != self.num_clients:
-            raise ConfigError(
+            raise OptionsError(
                 "federation.n_clients", self.num_clients,
                 f"{self.path} holds clients {clients} (arrays x_<i>); it must hold exactly x_0 .. "
                 f"x_{self.num_clients - 1}: set federation.n_clients={held} or rewrite the file",

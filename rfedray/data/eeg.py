@@ -65,12 +65,11 @@ from typing import Any, Iterator, List, Optional
 import numpy as np
 import torch
 
-from rfedray.config import ConfigError
+from rfedray.options import DTYPES, OptionsError
 from rfedray.data.validation import first_nonfinite, spd_problem
 from rfedray.errors import RfedrayError
 from rfedray.task import ClientData, EvalData
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 ESTIMATORS = ("oas", "lwf", "sch")
 MICROVOLT = "uV"
 CACHE_FORMAT = 1
@@ -494,31 +493,31 @@ class Options:
 
     def validate(self, prefix: str) -> None:
         if self.dataset not in DATASETS:
-            raise ConfigError(f"{prefix}.dataset", self.dataset, "must be one of " + ", ".join(DATASETS))
+            raise OptionsError(f"{prefix}.dataset", self.dataset, "must be one of " + ", ".join(DATASETS))
         if self.representation not in REPRESENTATIONS:
-            raise ConfigError(f"{prefix}.representation", self.representation, "must be one of " + ", ".join(REPRESENTATIONS))
+            raise OptionsError(f"{prefix}.representation", self.representation, "must be one of " + ", ".join(REPRESENTATIONS))
         spec = DATASETS[self.dataset]
         if self.subjects is not None and (not self.subjects or len(set(self.subjects)) != len(self.subjects)):
-            raise ConfigError(f"{prefix}.subjects", self.subjects, "must be null or a non-empty list of distinct subject numbers")
+            raise OptionsError(f"{prefix}.subjects", self.subjects, "must be null or a non-empty list of distinct subject numbers")
         if self.subjects is not None and not set(self.subjects) <= set(spec.available):
-            raise ConfigError(f"{prefix}.subjects", self.subjects, f"{self.dataset} has subjects {spec.available[0]}..{spec.available[-1]}")
+            raise OptionsError(f"{prefix}.subjects", self.subjects, f"{self.dataset} has subjects {spec.available[0]}..{spec.available[-1]}")
         if not 0.0 < self.resample:
-            raise ConfigError(f"{prefix}.resample", self.resample, "must be a sampling rate in Hz > 0")
+            raise OptionsError(f"{prefix}.resample", self.resample, "must be a sampling rate in Hz > 0")
         if not 0.0 <= self.fmin < self.fmax:
-            raise ConfigError(f"{prefix}.fmin", self.fmin, f"must be in [0, fmax) (fmax = {self.fmax} Hz)")
+            raise OptionsError(f"{prefix}.fmin", self.fmin, f"must be in [0, fmax) (fmax = {self.fmax} Hz)")
         if not self.fmax < self.resample / 2:
-            raise ConfigError(f"{prefix}.fmax", self.fmax, f"must be below the Nyquist frequency resample/2 ({self.resample / 2} Hz)")
+            raise OptionsError(f"{prefix}.fmax", self.fmax, f"must be below the Nyquist frequency resample/2 ({self.resample / 2} Hz)")
         if self.n_times is not None and not 1 <= self.n_times <= spec.n_times(self.resample):
             longest = spec.n_times(self.resample)
-            raise ConfigError(f"{prefix}.n_times", self.n_times, f"must be null or in [1, {longest}] (the epoch length)")
+            raise OptionsError(f"{prefix}.n_times", self.n_times, f"must be null or in [1, {longest}] (the epoch length)")
         if self.estimator not in ESTIMATORS:
-            raise ConfigError(f"{prefix}.estimator", self.estimator, "must be one of " + ", ".join(ESTIMATORS))
+            raise OptionsError(f"{prefix}.estimator", self.estimator, "must be one of " + ", ".join(ESTIMATORS))
         if not 0.0 < self.test_fraction < 1.0:
-            raise ConfigError(f"{prefix}.test_fraction", self.test_fraction, "must be in the open interval (0, 1)")
+            raise OptionsError(f"{prefix}.test_fraction", self.test_fraction, "must be in the open interval (0, 1)")
         if self.split_seed is not None and self.split_seed < 0:
-            raise ConfigError(f"{prefix}.split_seed", self.split_seed, "must be null (run.seed) or an integer >= 0")
+            raise OptionsError(f"{prefix}.split_seed", self.split_seed, "must be null (run.seed) or an integer >= 0")
         if self.dtype not in DTYPES:
-            raise ConfigError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
+            raise OptionsError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
 
 
 def _versions() -> dict[str, str]:
@@ -549,7 +548,7 @@ class MOABBEEG:
         spec = DATASETS[options.dataset]
         subjects = list(options.subjects if options.subjects is not None else spec.subjects)
         if not 1 <= n_clients <= len(subjects):
-            raise ConfigError("federation.n_clients", n_clients, f"must be between 1 and the number of subjects ({len(subjects)})")
+            raise OptionsError("federation.n_clients", n_clients, f"must be between 1 and the number of subjects ({len(subjects)})")
         self.options = options
         self.spec = spec
         self.num_clients = n_clients
@@ -577,7 +576,7 @@ class MOABBEEG:
 
         Raises
         ------
-        ConfigError
+        OptionsError
             Naming ``data.options.subjects`` when a trial's features are unusable (not finite; for
             covariances, not symmetric positive definite, e.g. from a flat or duplicated channel).
         """
@@ -591,7 +590,7 @@ class MOABBEEG:
             source = f"the recording under {self.data_path}"
         problem = self.representation.problem(features)
         if problem is not None:
-            raise ConfigError(
+            raise OptionsError(
                 "data.options.subjects", [s for group in self.subjects for s in group],
                 f"{self.spec.name} subject {subject}, {self.options.representation} features: {problem} "
                 f"(from {source}); leave the subject out of data.options.subjects, or delete the cache "

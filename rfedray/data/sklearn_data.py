@@ -29,10 +29,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from rfedray.config import ConfigError
+from rfedray.options import DTYPES, OptionsError
 from rfedray.task import ClientData, EvalData
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 PARTITIONS = ("iid", "dirichlet")
 
 
@@ -310,7 +309,7 @@ class Options:
         ]
         for name, ok, allowed in checks:
             if not ok:
-                raise ConfigError(f"{prefix}.{name}", getattr(self, name), allowed)
+                raise OptionsError(f"{prefix}.{name}", getattr(self, name), allowed)
 
 
 def build(options: Options, *, n_clients: int, seed: int) -> ArrayFederation:

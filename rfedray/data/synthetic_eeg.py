@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rfedray.config import ConfigError
-from rfedray.data.eeg import DTYPES, ESTIMATORS, REPRESENTATIONS, split_client, train_size, union_of_tests
+from rfedray.data.eeg import ESTIMATORS, REPRESENTATIONS, split_client, train_size, union_of_tests
+from rfedray.options import DTYPES, OptionsError
 from rfedray.task import ClientData, EvalData
 
 MICROVOLTS_PER_VOLT = 1e6
@@ -61,27 +61,27 @@ class Options:
 
     def validate(self, prefix: str) -> None:
         if self.channels < 2:
-            raise ConfigError(f"{prefix}.channels", self.channels, "must be an integer >= 2")
+            raise OptionsError(f"{prefix}.channels", self.channels, "must be an integer >= 2")
         if self.n_times < 2:
-            raise ConfigError(f"{prefix}.n_times", self.n_times, "must be an integer >= 2")
+            raise OptionsError(f"{prefix}.n_times", self.n_times, "must be an integer >= 2")
         if self.num_classes < 2:
-            raise ConfigError(f"{prefix}.num_classes", self.num_classes, "must be an integer >= 2")
+            raise OptionsError(f"{prefix}.num_classes", self.num_classes, "must be an integer >= 2")
         if self.trials_per_client < 2 * self.num_classes:
-            raise ConfigError(f"{prefix}.trials_per_client", self.trials_per_client, f"must be >= 2 * num_classes ({2 * self.num_classes})")
+            raise OptionsError(f"{prefix}.trials_per_client", self.trials_per_client, f"must be >= 2 * num_classes ({2 * self.num_classes})")
         if not self.separation >= 0:
-            raise ConfigError(f"{prefix}.separation", self.separation, "must be >= 0")
+            raise OptionsError(f"{prefix}.separation", self.separation, "must be >= 0")
         if not self.heterogeneity >= 0:
-            raise ConfigError(f"{prefix}.heterogeneity", self.heterogeneity, "must be >= 0")
+            raise OptionsError(f"{prefix}.heterogeneity", self.heterogeneity, "must be >= 0")
         if not 0 < self.amplitude < float("inf"):
-            raise ConfigError(f"{prefix}.amplitude", self.amplitude, "must be a finite number > 0 (volts)")
+            raise OptionsError(f"{prefix}.amplitude", self.amplitude, "must be a finite number > 0 (volts)")
         if self.representation not in REPRESENTATIONS:
-            raise ConfigError(f"{prefix}.representation", self.representation, "must be one of " + ", ".join(REPRESENTATIONS))
+            raise OptionsError(f"{prefix}.representation", self.representation, "must be one of " + ", ".join(REPRESENTATIONS))
         if self.estimator not in ESTIMATORS:
-            raise ConfigError(f"{prefix}.estimator", self.estimator, "must be one of " + ", ".join(ESTIMATORS))
+            raise OptionsError(f"{prefix}.estimator", self.estimator, "must be one of " + ", ".join(ESTIMATORS))
         if not 0.0 < self.test_fraction < 1.0:
-            raise ConfigError(f"{prefix}.test_fraction", self.test_fraction, "must be in the open interval (0, 1)")
+            raise OptionsError(f"{prefix}.test_fraction", self.test_fraction, "must be in the open interval (0, 1)")
         if self.dtype not in DTYPES:
-            raise ConfigError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
+            raise OptionsError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
 
 
 def _rng(seed: int, *key: int) -> np.random.Generator:
@@ -107,7 +107,7 @@ class SyntheticEEG:
     def __init__(self, options: Options, *, n_clients: int, seed: int):
         options.validate("data.options")
         if n_clients < 1:
-            raise ConfigError("federation.n_clients", n_clients, "must be an integer >= 1")
+            raise OptionsError("federation.n_clients", n_clients, "must be an integer >= 1")
         self.options = options
         self.num_clients = n_clients
         self.seed = seed

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional
 
 import numpy as np
 import torch
 
-from rfedray.config import ConfigError
+from rfedray.options import DTYPES, OptionsError
 from rfedray.task import ClientData, EvalData
 
 
@@ -41,26 +40,25 @@ class Options:
 
     def validate(self, prefix: str) -> None:
         if self.d < 2:
-            raise ConfigError(f"{prefix}.d", self.d, "must be an integer >= 2")
+            raise OptionsError(f"{prefix}.d", self.d, "must be an integer >= 2")
         if not (1 <= self.p < self.d):
-            raise ConfigError(f"{prefix}.p", self.p, f"must be between 1 and d-1 ({self.d - 1})")
+            raise OptionsError(f"{prefix}.p", self.p, f"must be between 1 and d-1 ({self.d - 1})")
         if self.records_per_client < 1:
-            raise ConfigError(f"{prefix}.records_per_client", self.records_per_client, "must be an integer >= 1")
+            raise OptionsError(f"{prefix}.records_per_client", self.records_per_client, "must be an integer >= 1")
         if not (0.0 <= self.size_spread < 1.0):
-            raise ConfigError(f"{prefix}.size_spread", self.size_spread, "must be in [0, 1)")
+            raise OptionsError(f"{prefix}.size_spread", self.size_spread, "must be in [0, 1)")
         if self.heterogeneity < 0:
-            raise ConfigError(f"{prefix}.heterogeneity", self.heterogeneity, "must be >= 0")
+            raise OptionsError(f"{prefix}.heterogeneity", self.heterogeneity, "must be >= 0")
         if self.eigengap <= 0:
-            raise ConfigError(f"{prefix}.eigengap", self.eigengap, "must be > 0")
+            raise OptionsError(f"{prefix}.eigengap", self.eigengap, "must be > 0")
         if self.noise_std < 0:
-            raise ConfigError(f"{prefix}.noise_std", self.noise_std, "must be >= 0")
+            raise OptionsError(f"{prefix}.noise_std", self.noise_std, "must be >= 0")
         if not (self.radius > 0 and np.isfinite(self.radius)):
-            raise ConfigError(f"{prefix}.radius", self.radius, "must be finite and > 0")
+            raise OptionsError(f"{prefix}.radius", self.radius, "must be finite and > 0")
         if self.dtype not in DTYPES:
-            raise ConfigError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
+            raise OptionsError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
 
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def _rng(seed: int, *key: int) -> np.random.Generator:

@@ -27,9 +27,9 @@ from typing import Optional
 
 import numpy as np
 
-from rfedray.config import ConfigError
-from rfedray.data.sklearn_data import DTYPES, PARTITIONS, ArrayFederation, Arrays, _rng, _unit_rows
+from rfedray.data.sklearn_data import PARTITIONS, ArrayFederation, Arrays, _rng, _unit_rows
 from rfedray.errors import RfedrayError
+from rfedray.options import DTYPES, OptionsError
 
 MNIST_FILES = {
     "train_images": "train-images-idx3-ubyte",
@@ -172,17 +172,17 @@ class Options:
 
     def validate(self, prefix: str) -> None:
         if self.dataset not in DATASETS:
-            raise ConfigError(f"{prefix}.dataset", self.dataset, "must be one of " + ", ".join(DATASETS))
+            raise OptionsError(f"{prefix}.dataset", self.dataset, "must be one of " + ", ".join(DATASETS))
         if self.partition not in PARTITIONS:
-            raise ConfigError(f"{prefix}.partition", self.partition, "must be one of " + ", ".join(PARTITIONS))
+            raise OptionsError(f"{prefix}.partition", self.partition, "must be one of " + ", ".join(PARTITIONS))
         if not self.alpha > 0:
-            raise ConfigError(f"{prefix}.alpha", self.alpha, "must be > 0")
+            raise OptionsError(f"{prefix}.alpha", self.alpha, "must be > 0")
         for name in ("max_train_records", "max_test_records"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ConfigError(f"{prefix}.{name}", value, "must be null (all) or an integer >= 1")
+                raise OptionsError(f"{prefix}.{name}", value, "must be null (all) or an integer >= 1")
         if self.dtype not in DTYPES:
-            raise ConfigError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
+            raise OptionsError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
 
 
 def build(options: Options, *, n_clients: int, seed: int) -> ArrayFederation:

@@ -24,7 +24,7 @@ infinite-loss mass.
 
 :class:`LaplaceAccountant` implements :class:`rfedray.privacy.accountants.Accountant` with
 ``sigma`` read as the Laplace scale ``b`` of the clipped mean (so ``mu0 = 2 C / (B b) = r``): the
-project's :class:`~rfedray.privacy.accountants.PrivacyLedger` and
+project's :class:`~rfedray.privacy.ledger.PrivacyLedger` and
 :func:`~rfedray.privacy.accountants.calibrate_sigma` work with it unchanged.
 """
 

@@ -124,7 +124,7 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
         if z is None:
             z = calibrate_ddpsa(policy, num_layers, epsilon, delta, rounds, batch_size, min(sizes))
         policy = policy.bind(z)
-        from rfedray.privacy.accountants import PrivacyLedger
+        from rfedray.privacy.ledger import PrivacyLedger
 
         ledger = PrivacyLedger(LaplaceAccountant(), sigma=ledger_scale(step_ratio(policy, num_layers, z), batch_size),
                                clip=1.0, batch_size=batch_size, local_steps=1, delta=delta, epsilon_target=epsilon,

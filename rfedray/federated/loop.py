@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from rfedray.config import Config, to_yaml
-from rfedray.federated.client import ClientFailure, LocalResult
+from rfedray.federated.client import LocalResult
 from rfedray.federated.executor import Executor
 from rfedray.federated.resume import Checkpoints, RunState, accounting_fingerprint
 from rfedray.federated.rundir import RunDirectory, atomic_write_json
@@ -76,7 +76,8 @@ class Federation:
         return ProductManifold(self.model.groups)
 
     def make_ledger(self):
-        from rfedray.privacy.accountants import ACCOUNTANTS, PrivacyLedger
+        from rfedray.privacy.accountants import ACCOUNTANTS
+        from rfedray.privacy.ledger import PrivacyLedger
 
         if not self.privacy.enabled:
             return None

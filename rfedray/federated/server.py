@@ -6,7 +6,6 @@ which are covered by the record-level guarantee. It never sees records.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -87,7 +86,3 @@ class Server:
         if not all(bool(torch.isfinite(v).all()) for v in new.values()):
             return theta, rejected + [Rejection(-1, "aggregate not finite; round discarded")]
         return new, rejected
-
-
-def finite_or_none(value: float) -> Optional[float]:
-    return value if math.isfinite(value) else None

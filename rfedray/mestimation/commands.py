@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 
@@ -31,8 +30,8 @@ def _build_task(cfg):
 
 
 def _run_directory(cfg):
+    from rfedray.config import to_yaml
     from rfedray.federated.rundir import RunDirectory, new_run_id
-    from rfedray.mestimation.config import to_yaml
 
     rd = RunDirectory.create(cfg.run.output_dir, new_run_id(cfg.run.name))
     rd.config.write_text(to_yaml(cfg))
@@ -76,11 +75,11 @@ def build_policy(d, clip: float):
 
 
 def cmd_mestimation_run(args: argparse.Namespace) -> int:
-    from rfedray.cli import _split_config_and_overrides
+    from rfedray.config import split_items
     from rfedray.mestimation.config import MEstimationConfig, load
     from rfedray.mestimation.runner import PrivacySpec, run_strategy
 
-    path, overrides = _split_config_and_overrides(args.items)
+    path, overrides = split_items(args.items)
     cfg = load(MEstimationConfig, path, overrides + ([f"run.engine={args.engine}"] if args.engine else []))
     p = cfg.privacy
     privacy = PrivacySpec(p.epsilon, p.delta, p.clip, p.noise_multiplier, noise_seed=p.noise_seed) if p.enabled else PrivacySpec(clip=p.clip)
@@ -97,12 +96,12 @@ def cmd_mestimation_run(args: argparse.Namespace) -> int:
 
 
 def cmd_ddpsa_run(args: argparse.Namespace) -> int:
-    from rfedray.cli import _split_config_and_overrides
+    from rfedray.config import split_items
     from rfedray.ddpsa.runner import run_ddpsa
     from rfedray.ddpsa.secure_aggregation import FixedPointCodec, LocalAggregators, RayAggregators
     from rfedray.mestimation.config import DDPSAConfig, load
 
-    path, overrides = _split_config_and_overrides(args.items)
+    path, overrides = split_items(args.items)
     cfg = load(DDPSAConfig, path, overrides + ([f"run.engine={args.engine}"] if args.engine else []))
     d, p = cfg.ddpsa, cfg.privacy
     rd = _run_directory(cfg)

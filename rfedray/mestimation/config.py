@@ -9,13 +9,10 @@ by OmegaConf; every bad value is a :class:`rfedray.config.ConfigError` naming th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, Optional
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from rfedray.config import ConfigError, _check_unknown_keys, _deep_merge, _dotlist_to_dict, _read_yaml, check_noise_seed
+from rfedray.config import check_noise_seed, read_layers, structured
+from rfedray.errors import ConfigError
 
 DATA_MODULES = {"sklearn": "rfedray.data.sklearn_data", "vision": "rfedray.data.vision"}
 MODEL_MODULES = {"logreg": "rfedray.models.logreg", "mlp": "rfedray.models.mlp"}
@@ -182,19 +179,6 @@ def validate_ddpsa(cfg: DDPSAConfig) -> None:
 
 def load(schema: type, path: Optional[str], overrides: list[str]):
     """Defaults of ``schema``, then the YAML file, then overrides; type-checked and validated."""
-    data: dict = _read_yaml(Path(path)) if path is not None else {}
-    if overrides:
-        data = _deep_merge(data, _dotlist_to_dict(overrides))
-    _check_unknown_keys(data, schema)
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), data)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(str(getattr(exc, "full_key", None) or "config"), getattr(exc, "value", None),
-                          str(exc).splitlines()[0]) from None
-    cfg = OmegaConf.to_object(merged)
+    cfg = structured(schema, read_layers(path, overrides))
     (validate_mestimation if schema is MEstimationConfig else validate_ddpsa)(cfg)
     return cfg
-
-
-def to_yaml(cfg) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

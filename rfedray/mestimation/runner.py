@@ -3,7 +3,7 @@
 Every participant of round ``t`` releases ``strategy.steps(t)`` private steps, each the same
 Gaussian mechanism (noise multiplier ``z``, minibatch ``B`` of its ``m`` records; a Newton step is
 priced as one step, see :mod:`rfedray.mestimation.local`). The ledger is the project's
-:class:`rfedray.privacy.accountants.PrivacyLedger` with unit clip and ``sigma = z`` and one step per
+:class:`rfedray.privacy.ledger.PrivacyLedger` with unit clip and ``sigma = z`` and one step per
 charge; it is charged for every step of the round *before* the clients run (write-ahead), and a
 round that would pass the target epsilon is not run. ``z`` is calibrated by the project's
 ``calibrate_sigma`` for the worst client (smallest ``m``, taking part in every round).
@@ -68,7 +68,8 @@ def calibrate_multiplier(spec: PrivacySpec, total_steps: int, batch_size: int, r
 
 
 def make_ledger(spec: PrivacySpec, z: float, batch_size: int, sizes: list[int], target: Optional[float]):
-    from rfedray.privacy.accountants import ACCOUNTANTS, PrivacyLedger
+    from rfedray.privacy.accountants import ACCOUNTANTS
+    from rfedray.privacy.ledger import PrivacyLedger
 
     return PrivacyLedger(ACCOUNTANTS[spec.accountant](), sigma=z, clip=1.0, batch_size=batch_size, local_steps=1,
                          delta=spec.delta, epsilon_target=target, client_sizes=sizes)

@@ -43,8 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from rfedray.config import ConfigError
-from rfedray.data.eeg import DTYPES
+from rfedray.options import DTYPES, OptionsError
 from rfedray.geometry import Euclidean
 from rfedray.models.spdnet import classification_metrics
 from rfedray.task import EvalData, Params
@@ -192,12 +191,12 @@ class Options:
 
     def validate(self, prefix: str) -> None:
         if self.norm_groups not in (1, 2, 4, 8):
-            raise ConfigError(f"{prefix}.norm_groups", self.norm_groups, "must be 1, 2, 4 or 8 (a divisor of F1 = 8)")
+            raise OptionsError(f"{prefix}.norm_groups", self.norm_groups, "must be 1, 2, 4 or 8 (a divisor of F1 = 8)")
 
 
 def build(options: Options, info: dict, retraction=None) -> EEGNet:
     """Build EEGNet; ``retraction`` is accepted for a uniform signature (all groups are Euclidean)."""
     """EEGNet for raw trials described by ``info`` (``channels``, ``n_times``, ``num_classes``, ``dtype``)."""
     if info.get("representation", "raw") != "raw":
-        raise ConfigError("data.options.representation", info["representation"], "EEGNet needs raw trials")
+        raise OptionsError("data.options.representation", info["representation"], "EEGNet needs raw trials")
     return EEGNet(info["channels"], info["n_times"], info["num_classes"], options.norm_groups, DTYPES[info.get("dtype", "float32")])

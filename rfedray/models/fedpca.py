@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from rfedray.config import ConfigError
+from rfedray.options import DTYPES, OptionsError
 from rfedray.geometry import Grassmann, Manifold, PolarRetraction, Sphere, Stiefel
 from rfedray.task import EvalData, Params
 
@@ -82,7 +82,7 @@ class SpherePCA:
 
     def __init__(self, d: int, p: int, retraction=None):
         if p != 1:
-            raise ConfigError("model.options.p", p, "the sphere parametrisation needs p = 1")
+            raise OptionsError("model.options.p", p, "the sphere parametrisation needs p = 1")
         self.manifold = Sphere(d)
 
     @staticmethod
@@ -102,9 +102,9 @@ class Options:
 
     def validate(self, prefix: str) -> None:
         if self.manifold not in PARAMETRISATIONS:
-            raise ConfigError(f"{prefix}.manifold", self.manifold, "must be one of " + ", ".join(PARAMETRISATIONS))
+            raise OptionsError(f"{prefix}.manifold", self.manifold, "must be one of " + ", ".join(PARAMETRISATIONS))
         if self.p is not None and self.p < 1:
-            raise ConfigError(f"{prefix}.p", self.p, "must be null (the data's p) or an integer >= 1")
+            raise OptionsError(f"{prefix}.p", self.p, "must be null (the data's p) or an integer >= 1")
 
 
 class FedPCA:
@@ -147,10 +147,9 @@ class FedPCA:
 
 
 def build(options: Options, info: dict, retraction=PolarRetraction) -> FedPCA:
-    from rfedray.data.synthetic_pca import DTYPES
 
     p = options.p if options.p is not None else info["p"]
     if not (1 <= p < info["d"]):
-        raise ConfigError("model.options.p", p, f"must be between 1 and d-1 ({info['d'] - 1})")
+        raise OptionsError("model.options.p", p, f"must be between 1 and d-1 ({info['d'] - 1})")
     dtype = DTYPES[info.get("dtype", "float32")]
     return FedPCA(info["d"], p, PARAMETRISATIONS[options.manifold], dtype, retraction)

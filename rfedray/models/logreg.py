@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rfedray.config import ConfigError
+from rfedray.options import DTYPES, OptionsError
 from rfedray.geometry import Euclidean
 from rfedray.task import EvalData, Params
 
@@ -215,13 +215,13 @@ class Options:
 
     def validate(self, prefix: str) -> None:
         if self.task not in TASKS:
-            raise ConfigError(f"{prefix}.task", self.task, "must be one of " + ", ".join(TASKS))
+            raise OptionsError(f"{prefix}.task", self.task, "must be one of " + ", ".join(TASKS))
         if self.l2 < 0:
-            raise ConfigError(f"{prefix}.l2", self.l2, "must be >= 0")
+            raise OptionsError(f"{prefix}.l2", self.l2, "must be >= 0")
 
 
 def model_dtype(info: dict) -> torch.dtype:
-    return {"float32": torch.float32, "float64": torch.float64}[info.get("dtype", "float64")]
+    return DTYPES[info.get("dtype", "float64")]
 
 
 def build(options: Options, info: dict, retraction=None):
@@ -230,7 +230,7 @@ def build(options: Options, info: dict, retraction=None):
     options.validate("model.options")
     task = info["task"] if options.task == "auto" else options.task
     if task != info["task"]:
-        raise ConfigError("model.options.task", options.task, f"the data is a {info['task']} task")
+        raise OptionsError("model.options.task", options.task, f"the data is a {info['task']} task")
     if task == "classification":
         return LogisticRegression(info["num_features"], info["num_classes"], options.l2, model_dtype(info))
     return LinearRegression(info["num_features"], options.l2, model_dtype(info))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rfedray.config import ConfigError
+from rfedray.options import OptionsError
 from rfedray.geometry import Euclidean
 from rfedray.models.logreg import (
     TASKS, classification_metrics, cross_entropy, model_dtype, parameter_error, regression_metrics, ridge,
@@ -120,13 +120,13 @@ class Options:
 
     def validate(self, prefix: str) -> None:
         if any(h < 1 for h in self.hidden):
-            raise ConfigError(f"{prefix}.hidden", self.hidden, "every width must be an integer >= 1")
+            raise OptionsError(f"{prefix}.hidden", self.hidden, "every width must be an integer >= 1")
         if self.activation not in ACTIVATIONS:
-            raise ConfigError(f"{prefix}.activation", self.activation, "must be one of " + ", ".join(ACTIVATIONS))
+            raise OptionsError(f"{prefix}.activation", self.activation, "must be one of " + ", ".join(ACTIVATIONS))
         if self.task not in TASKS:
-            raise ConfigError(f"{prefix}.task", self.task, "must be one of " + ", ".join(TASKS))
+            raise OptionsError(f"{prefix}.task", self.task, "must be one of " + ", ".join(TASKS))
         if self.l2 < 0:
-            raise ConfigError(f"{prefix}.l2", self.l2, "must be >= 0")
+            raise OptionsError(f"{prefix}.l2", self.l2, "must be >= 0")
 
 
 def build(options: Options, info: dict, retraction=None) -> MLP:
@@ -135,7 +135,7 @@ def build(options: Options, info: dict, retraction=None) -> MLP:
     options.validate("model.options")
     task = info["task"] if options.task == "auto" else options.task
     if task != info["task"]:
-        raise ConfigError("model.options.task", options.task, f"the data is a {info['task']} task")
+        raise OptionsError("model.options.task", options.task, f"the data is a {info['task']} task")
     outputs = info["num_classes"] if task == "classification" else 1
     return MLP(info["num_features"], list(options.hidden), outputs, task, options.activation, options.l2,
                model_dtype(info))

@@ -36,8 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rfedray.config import ConfigError
-from rfedray.data.eeg import DTYPES
+from rfedray.options import DTYPES, OptionsError
 from rfedray.geometry import Euclidean, Stiefel
 from rfedray.geometry.stiefel import PolarRetraction, StiefelRetraction
 from rfedray.spectral import sym_clamp, sym_clamped_log
@@ -198,20 +197,20 @@ class Options:
 
     def validate(self, prefix: str) -> None:
         if self.d is not None and self.d < 1:
-            raise ConfigError(f"{prefix}.d", self.d, "must be null (Table 5) or an integer >= 1")
+            raise OptionsError(f"{prefix}.d", self.d, "must be null (Table 5) or an integer >= 1")
         if self.eps_reeig is not None and not 0.0 < self.eps_reeig < float("inf"):
-            raise ConfigError(f"{prefix}.eps_reeig", self.eps_reeig, "must be null (Table 5) or a finite number > 0")
+            raise OptionsError(f"{prefix}.eps_reeig", self.eps_reeig, "must be null (Table 5) or a finite number > 0")
         if self.depth < 1:
-            raise ConfigError(f"{prefix}.depth", self.depth, "must be an integer >= 1")
+            raise OptionsError(f"{prefix}.depth", self.depth, "must be an integer >= 1")
 
 
 def build(options: Options, info: dict, retraction: StiefelRetraction | type[StiefelRetraction] = PolarRetraction) -> SPDNet:
     """SPDNet for a dataset described by ``info`` (``channels``, ``num_classes``, ``dataset``, ``dtype``)."""
     if info.get("representation", "covariance") != "covariance":
-        raise ConfigError("data.options.representation", info["representation"], "SPDNet needs covariance inputs")
+        raise OptionsError("data.options.representation", info["representation"], "SPDNet needs covariance inputs")
     paper_d, paper_eps = PAPER_SETTINGS.get(info.get("dataset", ""), DEFAULT_SETTINGS)
     d = options.d if options.d is not None else paper_d
     if d > info["channels"]:
-        raise ConfigError("model.options.d", d, f"must be <= the number of channels ({info['channels']})")
+        raise OptionsError("model.options.d", d, f"must be <= the number of channels ({info['channels']})")
     eps = options.eps_reeig if options.eps_reeig is not None else paper_eps
     return SPDNet(info["channels"], info["num_classes"], d, eps, options.depth, DTYPES[info.get("dtype", "float32")], retraction)

@@ -11,8 +11,8 @@ The accountants only know the step mechanism's public parameters (clip ``C``, ab
 * :class:`PriRFedAccountant`, the round-level accounting of PriRFed (the paper's baseline), for
   comparison only.
 
-:func:`calibrate_sigma` finds the smallest sigma meeting a budget under any of them, and
-:class:`~rfedray.privacy.ledger.PrivacyLedger` (re-exported here) charges clients round by round.
+:func:`calibrate_sigma` finds the smallest sigma meeting a budget under any of them;
+:class:`~rfedray.privacy.ledger.PrivacyLedger` charges clients round by round.
 """
 
 from __future__ import annotations
@@ -341,8 +341,6 @@ def calibrate_sigma(
     return math.exp(log_sigma)
 
 
-from rfedray.privacy.ledger import Authorization, PrivacyLedger  # noqa: E402  (re-exported API)
-
 __all__ = [
     "Accountant",
     "StepMechanism",
@@ -351,6 +349,4 @@ __all__ = [
     "PriRFedAccountant",
     "ACCOUNTANTS",
     "calibrate_sigma",
-    "PrivacyLedger",
-    "Authorization",
 ]

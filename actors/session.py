@@ -1,0 +1,93 @@
+"""This process's connection to Ray: the cluster given by ``ray.address`` (or ``RAY_ADDRESS``), or a
+local instance started for the run and shut down after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Optional
+
+import ray
+
+from rfedray.config import Config, ConfigError
+from rfedray.errors import RfedrayError
+
+LOCAL_OBJECT_STORE_BYTES = 200 * 1024**2
+"""Object store of a Ray instance the driver starts itself (it holds one theta_t per round)."""
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+def _reachable(host: str, port: int) -> Optional[str]:
+    """None if something accepts TCP connections at ``host:port``, else why not."""
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+class RaySession:
+    """This process's connection to Ray; shuts Ray down on :meth:`close` only if it started it.
+
+    Parameters
+    ----------
+    started : bool
+        Whether :meth:`open` started the Ray instance.
+    """
+
+    def __init__(self, started: bool):
+        self.started = started
+
+    @classmethod
+    def open(cls, address: Optional[str]) -> "RaySession":
+        """Use the Ray of this process, connect to ``address`` (or ``RAY_ADDRESS``), or start one.
+
+        Raises
+        ------
+        RfedrayError
+            Naming ``ray.address`` when there is no Ray cluster to connect to.
+        """
+        if ray.is_initialized():
+            return cls(started=False)
+        label = "ray.address"
+        if address is None and os.environ.get("RAY_ADDRESS"):
+            address, label = os.environ["RAY_ADDRESS"], "ray.address (from RAY_ADDRESS)"
+        if address is None:
+            ray.init(
+                address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                log_to_driver=False, logging_level=logging.WARNING,
+            )
+            return cls(started=True)
+        if address.startswith("ray://"):
+            raise ConfigError(label, address, "Ray Client addresses are not supported: run rfedray on a node of the "
+                              "cluster (ray.address=auto or the head's HOST:PORT)")
+        hint = "start a cluster with `ray start --head`, or leave ray.address unset to run a local Ray instance"
+        if address != "auto":
+            host, _, port = address.rpartition(":")
+            problem = _reachable(host.strip("[]"), int(port)) if host and port.isdigit() else "expected auto or HOST:PORT"
+            if problem is not None:
+                raise RfedrayError(f"{label}={address!r}: no Ray cluster reachable there ({problem}); {hint}")
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError) as exc:
+            reason = str(exc).splitlines()[0]
+            raise RfedrayError(f"{label}={address!r}: cannot connect to a Ray cluster ({reason}); {hint}") from None
+        return cls(started=False)
+
+    def close(self) -> None:
+        if self.started and ray.is_initialized():
+            ray.shutdown()
+
+
+def check_ray_config(cfg: Config) -> None:
+    """Settings the Ray engine needs together (each field alone is checked by the config).
+
+    Raises
+    ------
+    ConfigError
+    """
+    if cfg.ray.device == "cuda" and cfg.ray.num_gpus_per_actor <= 0:
+        raise ConfigError("ray.device", "cuda", "needs ray.num_gpus_per_actor > 0 (e.g. 0.125 packs 8 actors on a GPU)")
