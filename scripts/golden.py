@@ -84,14 +84,18 @@ def model_digest(model: dict[str, torch.Tensor]) -> str:
 
 
 def machine() -> str:
-    """What the bits may depend on beyond the code: the CPU model and the torch build."""
-    cpu = platform.processor() or ""
+    """What the bits may depend on beyond the code: the CPU (model and instruction sets, which decide
+    the kernels MKL and torch dispatch to) and the torch build."""
+    info = {}
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{cpu} | torch {torch.__version__}"
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "cpu family", "model", "flags") and key not in info:
+                info[key] = value.strip()
+    flags = hashlib.sha256(info.get("flags", "").encode()).hexdigest()[:12]
+    cpu = f"{info.get('model name', platform.processor())} family {info.get('cpu family')} model {info.get('model')}"
+    return f"{cpu} flags {flags} | torch {torch.__version__}"
 
 
 def produce(name: str, engine: str) -> dict:
