@@ -93,7 +93,7 @@ MAY_IMPORT = {
                        "rfedray.spectral", "rfedray.data"},
     "rfedray.data": {"rfedray.errors", "rfedray.options", "rfedray.task", "rfedray.spectral"},
     "rfedray.registry": {"rfedray.errors", "rfedray.options"},
-    "rfedray.config": {"rfedray.errors", "rfedray.options", "rfedray.registry"},
+    "rfedray.config": {"rfedray.errors", "rfedray.options", "rfedray.registry", "rfedray.privacy"},
 }
 """What each checked floor may import besides itself (``registry`` imports models and data by
 name, at run time, through ``importlib``)."""
