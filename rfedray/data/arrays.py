@@ -25,19 +25,26 @@ also symmetric positive definite) and every label an integer in ``[0, num_classe
 problem raises a :class:`~rfedray.options.OptionsError` naming ``data.options.path``, the array,
 the record and what to do. Each process that hosts clients (a Ray client actor) reads the file
 itself, so the path must be readable there too.
+
+The check reads one array at a time and keeps only the record counts: a client's arrays are read from
+the file again when its data is loaded (:meth:`ArraysFederation.client_data`), so the processes of a
+run share the file through the operating system's cache instead of each holding every client's
+records. A file that changed after the check (another size or modification time) is refused then.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
 
+from rfedray.errors import RfedrayError
 from rfedray.options import DTYPES, OptionsError
 from rfedray.data.validation import first_nonfinite, spd_problem
 from rfedray.task import ClientData, EvalData
@@ -230,6 +237,27 @@ class Options:
             raise OptionsError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
 
 
+class FileArrays:
+    """The arrays of an open ``.npz``, read one at a time (``key in``, ``[key]``, iteration over the
+    keys), with a clear error for an array that cannot be read."""
+
+    def __init__(self, archive: np.lib.npyio.NpzFile, source: "ArraysFederation"):
+        self.archive, self.source = archive, source
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.archive.files)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.archive.files
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        try:
+            return self.archive[key]
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            raise self.source._fail(f"array {key!r} cannot be read ({type(exc).__name__}); "
+                                    "store plain numeric arrays (no Python objects)") from None
+
+
 class ArraysFederation:
     """The clients of an ``.npz`` file (implements :class:`rfedray.task.FederatedDataset`).
 
@@ -253,13 +281,19 @@ class ArraysFederation:
         self.task = TASKS[options.task]
         self.records = REPRESENTATIONS[options.representation]
         self.dtype = DTYPES[options.dtype]
-        self._x, self._y, self.info = self._check(self._read())
+        self._stamp = self._file_stamp()
+        with self._open() as archive:
+            self._sizes, self.info = self._check(FileArrays(archive, self))
 
     def _fail(self, problem: str) -> OptionsError:
         return OptionsError("data.options.path", self.path, problem)
 
-    def _read(self) -> dict[str, np.ndarray]:
-        """Every array of the file, refusing anything that is not a plain ``.npz`` of numbers."""
+    def _file_stamp(self) -> tuple[int, int]:
+        stat = os.stat(self.path)
+        return stat.st_size, stat.st_mtime_ns
+
+    def _open(self) -> np.lib.npyio.NpzFile:
+        """The file as an archive of arrays, refusing anything that is not a plain ``.npz`` of numbers."""
         try:
             archive = np.load(self.path, allow_pickle=False)
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
@@ -267,20 +301,14 @@ class ArraysFederation:
                              "write it with numpy.savez(path, x_0=..., x_1=..., x_test=...)") from None
         if not isinstance(archive, np.lib.npyio.NpzFile):
             raise self._fail("holds a single array; write every client's arrays with numpy.savez(path, x_0=..., x_1=..., x_test=...)")
-        arrays = {}
-        with archive:
-            for key in archive.files:
-                if not KEY.match(key):
-                    raise self._fail(f"unexpected array {key!r}; the file holds x_<i> and y_<i> per client i, x_test and y_test")
-                try:
-                    arrays[key] = archive[key]
-                except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-                    raise self._fail(f"array {key!r} cannot be read ({type(exc).__name__}); "
-                                     "store plain numeric arrays (no Python objects)") from None
-        return arrays
+        for key in archive.files:
+            if not KEY.match(key):
+                archive.close()
+                raise self._fail(f"unexpected array {key!r}; the file holds x_<i> and y_<i> per client i, x_test and y_test")
+        return archive
 
-    def _check(self, arrays: dict[str, np.ndarray]) -> tuple[dict, dict, dict[str, Any]]:
-        """Records and labels of every client and of the test set, and the data's ``info``."""
+    def _check(self, arrays: "FileArrays") -> tuple[list[int], dict[str, Any]]:
+        """Every client's record count and the data's ``info``, each array checked as it is read."""
         clients = sorted({int(m.group(2)) for key in arrays if (m := KEY.match(key)) and m.group(2) != "test"})
         held = len(clients)
         if clients != list(range(held)) or held != self.num_clients:
@@ -290,17 +318,18 @@ class ArraysFederation:
                 f"x_{self.num_clients - 1}: set federation.n_clients={held} or rewrite the file",
             )
         names: list[Any] = [*range(held), "test"]
-        xs: dict[Any, np.ndarray] = {}
+        shapes: dict[Any, tuple[int, ...]] = {}
         for name in names:
-            xs[name] = self._check_records(arrays, name, xs.get(0))
-        shape = tuple(int(s) for s in xs[0].shape[1:])
+            shapes[name] = self._check_records(arrays, name, shapes.get(0))
+        shape = shapes[0][1:]
         labels = [arrays[f"y_{name}"] for name in names if f"y_{name}" in arrays]
         info = {"task": self.options.task, "dataset": "arrays", "dtype": self.options.dtype,
                 **self.records.info(shape), **self.task.info(self.options, shape, labels)}
-        ys = {name: self._check_labels(arrays, name, xs[name].shape[0], info) for name in names}
-        return xs, ys, info
+        for name in names:
+            self._check_labels(arrays, name, shapes[name][0], info)
+        return [shapes[i][0] for i in range(held)], info
 
-    def _check_records(self, arrays: dict[str, np.ndarray], name: Any, first: Optional[np.ndarray]) -> np.ndarray:
+    def _check_records(self, arrays: "FileArrays", name: Any, first: Optional[tuple[int, ...]]) -> tuple[int, ...]:
         key = f"x_{name}"
         where = f"client {name}" if name != "test" else "the server's evaluation set"
         if key not in arrays:
@@ -317,21 +346,21 @@ class ArraysFederation:
         if x.shape[0] == 0:
             raise self._fail(f"{key} has no records: every client needs at least federation.batch_size records "
                              "(drop the client from the file and lower federation.n_clients)")
-        if first is not None and x.shape[1:] != first.shape[1:]:
-            raise self._fail(f"{key} holds records of shape {x.shape[1:]}, x_0 of shape {first.shape[1:]}: "
+        if first is not None and x.shape[1:] != first[1:]:
+            raise self._fail(f"{key} holds records of shape {x.shape[1:]}, x_0 of shape {first[1:]}: "
                              "every record of every client must have the same shape")
         problem = first_nonfinite(x) or self.records.problem(x)
         if problem is not None:
             raise self._fail(f"{key} ({where}): {problem}; repair or remove that record")
-        return x
+        return tuple(int(s) for s in x.shape)
 
-    def _check_labels(self, arrays: dict[str, np.ndarray], name: Any, m: int, info: dict[str, Any]) -> Optional[np.ndarray]:
+    def _check_labels(self, arrays: "FileArrays", name: Any, m: int, info: dict[str, Any]) -> None:
         key = f"y_{name}"
         if not self.task.labelled:
             if key in arrays:
                 raise self._fail(f"holds {key}, but data.options.task={self.options.task} takes no labels: "
                                  "remove the y_ arrays or set data.options.task")
-            return None
+            return
         if key not in arrays:
             raise self._fail(f"has no array {key!r}; data.options.task={self.options.task} needs one label per record")
         y = arrays[key]
@@ -340,16 +369,26 @@ class ArraysFederation:
         problem = self.task.check_labels(y, info)
         if problem is not None:
             raise self._fail(f"{key}: {problem}; fix the labels or data.options.num_classes")
-        return y
 
     def client_sizes(self) -> list[int]:
-        return [int(self._x[i].shape[0]) for i in range(self.num_clients)]
+        return list(self._sizes)
 
     def _tensors(self, name: Any) -> tuple[torch.Tensor, ...]:
-        x = torch.as_tensor(self._x[name], dtype=self.dtype)
-        if self._y[name] is None:
-            return (x,)
-        return (x, self.task.target(self._y[name], self.dtype))
+        """The arrays of client ``name`` (or ``"test"``), read from the file again.
+
+        Raises
+        ------
+        RfedrayError
+            If the file changed since it was checked.
+        """
+        if self._file_stamp() != self._stamp:
+            raise RfedrayError(f"data.options.path={self.path}: the file changed after it was checked; "
+                               "start the run again (the records of a run must not change while it runs)")
+        with np.load(self.path, allow_pickle=False) as archive:
+            x = torch.as_tensor(archive[f"x_{name}"], dtype=self.dtype)
+            if not self.task.labelled:
+                return (x,)
+            return (x, self.task.target(archive[f"y_{name}"], self.dtype))
 
     def client_data(self, client_id: int) -> ClientData:
         if not 0 <= client_id < self.num_clients:
