@@ -66,7 +66,7 @@ def measure_vectorised(clients: int, records: int, local_steps: int, batch: int,
         f"federation.n_clients={clients}", f"federation.clients_per_round={clients}",
         f"federation.local_steps={local_steps}", f"federation.batch_size={batch}", "data.options.d=40",
         "data.options.p=4", f"data.options.records_per_client={records}", "privacy.noise_seed=0",
-        f"privacy.enabled={private}", "privacy.sigma=0.5", "privacy.epsilon=null", "privacy.accountant=clt",
+        f"privacy.enabled={private}", "privacy.sigma=0.5", "privacy.epsilon=null",
     ]
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(None, overrides + [f"run.output_dir={out}"])

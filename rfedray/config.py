@@ -27,7 +27,10 @@ from rfedray.errors import ConfigError
 from rfedray.options import closest
 
 ENGINES = ("ray", "local")
-ACCOUNTANTS = ("exact", "clt", "prirfed")
+ACCOUNTANTS = ("exact", "prirfed")
+"""Accountants a run may use: those that bound epsilon from above."""
+APPROXIMATE_ACCOUNTANTS = ("clt",)
+"""Accountants that only estimate epsilon: ``rfedray privacy epsilon`` read-outs, never a run."""
 SCHEMES = ("projavg", "rlavg", "retavg", "kfavg")
 WEIGHTINGS = ("uniform", "data_size")
 RETRACTIONS = ("polar", "qr")
@@ -342,6 +345,12 @@ def validate(cfg: Config) -> None:
     _positive_int("federation.local_steps", fed.local_steps)
     _positive_int("federation.batch_size", fed.batch_size)
 
+    if p.accountant in APPROXIMATE_ACCOUNTANTS:
+        raise ConfigError(
+            "privacy.accountant", p.accountant,
+            f"must be one of {', '.join(ACCOUNTANTS)}: {p.accountant} is an approximation, not an upper bound on epsilon, "
+            "so it cannot calibrate, charge or halt a run (read budgets with it: rfedray privacy epsilon --accountant clt)",
+        )
     _choice("privacy.accountant", p.accountant, ACCOUNTANTS)
     if not (0.0 < p.delta < 1.0):
         raise ConfigError("privacy.delta", p.delta, "must be in the open interval (0, 1)")

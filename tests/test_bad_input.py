@@ -322,7 +322,7 @@ CASES = [
     Case("resume-clip-changed", resume("privacy.clip=0.5"),
          ("privacy.clip='changed since the checkpoint'", "privacy.clip was 0.3548, now 0.5", "start a new run"), resume=True),
     Case("resume-sigma-changed", resume("privacy.sigma=0.6"), ("privacy.sigma was 0.5, now 0.6",), resume=True),
-    Case("resume-accountant-changed", resume("privacy.accountant=clt"), ("privacy.accountant was 'exact', now 'clt'",), resume=True),
+    Case("resume-accountant-changed", resume("privacy.accountant=prirfed"), ("privacy.accountant was 'exact', now 'prirfed'",), resume=True),
     Case("resume-batch-changed", resume("federation.batch_size=20"), ("federation.batch_size was 10, now 20",), resume=True),
     Case("resume-steps-changed", resume("federation.local_steps=3"), ("federation.local_steps was 2, now 3",), resume=True),
     Case("resume-client-sizes-changed", resume("data.options.records_per_client=50"),

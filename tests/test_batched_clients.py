@@ -25,7 +25,7 @@ from rfedray.privacy.mechanism import noise_generator, per_sample_gradients, pri
 
 COMMON = [
     "federation.n_clients=6", "federation.clients_per_round=4", "federation.local_steps=2",
-    "privacy.noise_seed=7", "privacy.sigma=0.5", "privacy.epsilon=null", "privacy.accountant=clt",
+    "privacy.noise_seed=7", "privacy.sigma=0.5", "privacy.epsilon=null",
     "monitoring.progress=false",
 ]
 PCA = ["data.options.d=40", "data.options.p=4", "data.options.records_per_client=120",

@@ -28,7 +28,7 @@ def test_run_threads_must_be_positive(value):
 def test_local_engine_sets_its_threads(tmp_path, override, expected):
     overrides = ["run.rounds=1", "federation.n_clients=2", "federation.clients_per_round=1", "federation.batch_size=20",
                  "data.options.records_per_client=50", "data.options.d=6", "data.options.p=2", "privacy.sigma=1.0",
-                 "privacy.epsilon=null", "privacy.accountant=clt", "monitoring.progress=false", f"run.output_dir={tmp_path}"]
+                 "privacy.epsilon=null", "privacy.accountant=exact", "monitoring.progress=false", f"run.output_dir={tmp_path}"]
     if override is not None:
         overrides.append(f"run.threads={override}")
     cfg = load_config(None, ["run.engine=local", *overrides])

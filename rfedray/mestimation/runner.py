@@ -42,7 +42,7 @@ class PrivacySpec:
     noise_multiplier : float or None
         A given ``z`` (skips calibration).
     accountant : str
-        A key of :data:`rfedray.privacy.accountants.ACCOUNTANTS`.
+        A key of :data:`rfedray.privacy.accountants.UPPER_BOUNDS` (an accountant that bounds epsilon from above).
     noise_seed : int or None
         Reproducible noise (not for production).
     """

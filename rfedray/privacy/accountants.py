@@ -8,6 +8,9 @@ The accountants only know the step mechanism's public parameters (clip ``C``, ab
   ``rounds * local_steps`` steps, computed on a discretised privacy-loss distribution.
 * :class:`CLTAccountant`, the central-limit approximation ``mu_tot`` of the same composition
   (Dong, Roth and Su), for reading budgets: about ``2 C sqrt(rounds * local_steps) / (m sigma)``.
+  It is not an upper bound (it can report a quarter of the exact epsilon), so nothing that spends
+  budget accepts it: :class:`~rfedray.privacy.ledger.PrivacyLedger` and :func:`calibrate_sigma`
+  refuse it (:func:`require_upper_bound`).
 * :class:`PriRFedAccountant`, the round-level accounting of PriRFed (the paper's baseline), for
   comparison only.
 
@@ -79,6 +82,8 @@ class Accountant(ABC):
     """
 
     name: ClassVar[str]
+    upper_bound: ClassVar[bool] = True
+    """Whether the epsilon it reports is a guarantee (an upper bound on the true epsilon), not an estimate."""
 
     def epsilon(
         self, *, sigma: float, clip: float, batch_size: int, records: int, rounds: int, local_steps: int, delta: float
@@ -190,6 +195,7 @@ class CLTAccountant(Accountant):
     """
 
     name = "clt"
+    upper_bound = False
 
     @staticmethod
     def mu_total(step: StepMechanism, steps: int) -> float:
@@ -271,6 +277,26 @@ ACCOUNTANTS: dict[str, type[Accountant]] = {
 }
 """Accountant classes by the name a configuration or the command line uses."""
 
+UPPER_BOUNDS = tuple(name for name, cls in ACCOUNTANTS.items() if cls.upper_bound)
+"""The accountants whose epsilon is a guarantee: the only ones runs, ledgers and calibration use."""
+
+
+def require_upper_bound(accountant: Accountant) -> Accountant:
+    """``accountant``, checked to bound epsilon from above (what spends or plans budget needs).
+
+    Raises
+    ------
+    PrivacyParameterError
+        Naming ``accountant`` for an approximation such as ``clt``.
+    """
+    if not accountant.upper_bound:
+        raise checks.PrivacyParameterError(
+            "accountant", accountant.name,
+            f"must be one of {', '.join(UPPER_BOUNDS)}: {accountant.name} is an approximation, not an upper bound on "
+            "epsilon, so it cannot calibrate, charge or halt a run (it only reads budgets: rfedray privacy epsilon)",
+        )
+    return accountant
+
 
 def calibrate_sigma(
     accountant: Accountant,
@@ -285,6 +311,8 @@ def calibrate_sigma(
     rtol: float = 1e-7,
 ) -> float:
     """The smallest sigma (to ``rtol``) with which ``accountant`` certifies ``(epsilon, delta)``.
+
+    Only an accountant that bounds epsilon from above can certify (:func:`require_upper_bound`).
 
     The search starts from the leading-order GDP value ``sigma_0 = 2 C sqrt(T tau) / (m mu)``,
     ``mu`` the GDP parameter meeting ``(epsilon, delta)``, brackets the answer by steps of 25% in
@@ -312,6 +340,7 @@ def calibrate_sigma(
     float
         sigma, the absolute noise standard deviation.
     """
+    require_upper_bound(accountant)
     epsilon = checks.positive("epsilon", epsilon)
     delta = checks.open_unit("delta", delta)
     rounds = checks.positive_int("rounds", rounds)
@@ -348,5 +377,7 @@ __all__ = [
     "CLTAccountant",
     "PriRFedAccountant",
     "ACCOUNTANTS",
+    "UPPER_BOUNDS",
     "calibrate_sigma",
+    "require_upper_bound",
 ]

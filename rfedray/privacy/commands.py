@@ -3,10 +3,13 @@
 ::
 
     rfedray privacy calibrate --epsilon E --delta D --rounds T --local-steps TAU --batch-size B \\
-                              --records M --clip C [--accountant exact|clt|prirfed] [--json]
+                              --records M --clip C [--accountant exact|prirfed] [--json]
     rfedray privacy epsilon   --sigma S --delta D --rounds T --local-steps TAU --batch-size B \\
                               --records M --clip C [--accountant exact|clt|prirfed] [--json]
     rfedray privacy table [--json]
+
+Calibration certifies a budget, so it takes only accountants that bound epsilon from above;
+``epsilon`` also reads the central-limit approximation ``clt``, and labels it so.
 
 :func:`register` adds the command to the top-level parser. A bad value is reported as one line
 ``error: --epsilon=-1: must be > 0`` (an :class:`~rfedray.errors.RfedrayError`, exit status 2).
@@ -86,9 +89,11 @@ def cmd_epsilon(args: argparse.Namespace) -> int:
     epsilon = _run(args, lambda: accountant.epsilon(**values))
     if args.json:
         print(json.dumps({"epsilon": epsilon, "sigma": values["sigma"], "delta": values["delta"],
-                          "accountant": args.accountant}))
-    else:
+                          "accountant": args.accountant, "upper_bound": accountant.upper_bound}))
+    elif accountant.upper_bound:
         print(f"{epsilon:.6g}")
+    else:
+        print(f"{epsilon:.6g} (approximation: {args.accountant} does not bound epsilon from above)")
     return 0
 
 
@@ -145,7 +150,8 @@ def _mechanism_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--records", required=True, metavar="M", help="records of the (smallest) client")
     parser.add_argument("--clip", required=True, metavar="C", help="clipping norm, > 0")
     parser.add_argument("--accountant", default="exact", metavar="NAME",
-                        help=f"one of {', '.join(ACCOUNTANTS)} (default: exact)")
+                        help=f"one of {', '.join(ACCOUNTANTS)} (default: exact; clt is an approximation: "
+                             "epsilon read-outs only, never calibration)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -65,6 +65,7 @@ class PrivacyLedger:
     Parameters
     ----------
     accountant : Accountant
+        One that bounds epsilon from above (``exact``, ``prirfed``; never the ``clt`` approximation).
     sigma, clip : float
         The step mechanism's absolute noise and clip, > 0.
     batch_size, local_steps : int
@@ -89,7 +90,9 @@ class PrivacyLedger:
         epsilon_target: Optional[float],
         client_sizes: Sequence[int],
     ):
-        self.accountant = accountant
+        from rfedray.privacy.accountants import require_upper_bound
+
+        self.accountant = require_upper_bound(accountant)
         self.sigma = checks.positive("sigma", sigma)
         self.clip = checks.positive("clip", clip)
         self.local_steps = checks.positive_int("local_steps", local_steps)
