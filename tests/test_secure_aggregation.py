@@ -6,7 +6,7 @@ from scipy import stats
 
 from rfedray.ddpsa.secure_aggregation import (
     PRIME, FixedPointCodec, LocalAggregators, ProtocolError, ShareAggregator, collect_sum, send_update,
-    split_shares, uniform_field,
+    field_sum, split_shares, uniform_field,
 )
 
 
@@ -102,3 +102,18 @@ def test_too_few_complete_clients_reveal_nothing():
     send_update(group, codec, 0, 0, np.ones(3))
     result = collect_sum(group, codec, 0, min_clients=2)
     assert result.total is None and result.participants == [0]
+
+
+@pytest.mark.parametrize("frac_bits, max_parties", [(24, 1024), (24, 16), (0, 1024), (40, 3), (30, 1000)])
+def test_max_parties_values_at_the_boundary_sum_without_wrapping(frac_bits, max_parties):
+    """Issue 16, item 7: ``max_parties`` values at exactly +-max_abs decode to their sum, sign included;
+    the next float above max_abs is refused (the check is on the rounded integer)."""
+    codec = FixedPointCodec(frac_bits=frac_bits, max_parties=max_parties)
+    for sign in (1.0, -1.0):
+        x = np.full(1, sign * codec.max_abs)
+        total = codec.decode(field_sum([codec.encode(x) for _ in range(max_parties)]))
+        assert total[0] == pytest.approx(sign * max_parties * codec.max_abs, rel=1e-12)
+        assert np.sign(total[0]) == sign
+    with pytest.raises(ValueError, match="exceeds the codec's range"):
+        codec.encode(np.array([np.nextafter(codec.max_abs + 0.5 / codec.scale, np.inf)]))
+    assert codec.max_integer * max_parties <= (PRIME - 1) // 2

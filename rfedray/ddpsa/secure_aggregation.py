@@ -18,12 +18,14 @@ Protocol (full threshold, honest-but-curious aggregators and server, S >= 2 aggr
    only. An aggregator answers at most one partial sum per round and refuses sets of fewer than
    ``min_clients`` clients, so the server cannot difference two subsets or isolate one client.
 
-Fixed-point encoding: ``x -> round(x * 2^frac_bits) mod p`` (negatives wrap to the upper half of
-the field) and back by the centred lift. Every coordinate must satisfy
-``|x| <= max_abs = (p - 1) / 2 / (2^frac_bits * max_parties)`` so that a sum of ``max_parties`` values
-never wraps; the decoded sum of ``n`` values is within ``n / 2^(frac_bits + 1)`` of the plain sum.
-With the defaults (24 fractional bits, 1,024 parties) that is ``|x| <= 2^26 ~ 6.7e7`` and a
-precision of ``3e-8`` per summand.
+Fixed-point encoding: ``x -> k = round(x * 2^frac_bits)``, stored as ``k mod p`` (negatives wrap to
+the upper half of the field), and back by the centred lift. A sum of ``max_parties`` encoded values
+never wraps when every ``|k| <= K = floor((p - 1) / 2 / max_parties)``, so the range is checked on
+the rounded integer ``k`` itself (a check on ``|x|`` alone let values at the boundary round up past
+``K``: 1,024 values at the limit decoded with the sign flipped); ``max_abs = K / 2^frac_bits`` is
+the largest magnitude accepted. The decoded sum of ``n`` values is within ``n / 2^(frac_bits + 1)``
+of the plain sum. With the defaults (24 fractional bits, 1,024 parties) that is
+``|x| <= (2^50 - 1) / 2^24 ~ 6.7e7`` and a precision of ``3e-8`` per summand.
 
 Randomness of the shares comes from the operating system (``os.urandom``); a seeded numpy generator
 may be passed for reproducible experiments (not for production).
@@ -31,6 +33,7 @@ may be passed for reproducible experiments (not for production).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
@@ -69,9 +72,17 @@ class FixedPointCodec:
         return 1 << self.frac_bits
 
     @property
+    def max_integer(self) -> int:
+        """``K``: the largest magnitude of an encoded integer, so that ``max_parties`` of them never wrap."""
+        return ((PRIME - 1) // 2) // self.max_parties
+
+    @property
     def max_abs(self) -> float:
-        """The largest magnitude a coordinate may have."""
-        return ((PRIME - 1) // 2) / (self.scale * self.max_parties)
+        """The largest magnitude a coordinate may have: ``K / 2^frac_bits``, rounded down to a float64."""
+        bound = float(self.max_integer)
+        if int(bound) > self.max_integer:  # K has more than 53 bits: take the float below
+            bound = math.nextafter(bound, 0.0)
+        return bound / self.scale
 
     @property
     def resolution(self) -> float:
@@ -89,11 +100,11 @@ class FixedPointCodec:
         x = np.asarray(x, dtype=np.float64)
         if not np.all(np.isfinite(x)):
             raise ValueError("x: every coordinate must be finite to be encoded")
-        peak = float(np.max(np.abs(x))) if x.size else 0.0
-        if peak > self.max_abs:
-            raise ValueError(f"x: a coordinate of magnitude {peak:.4g} exceeds the codec's range "
-                             f"max_abs={self.max_abs:.4g} (frac_bits={self.frac_bits}, max_parties={self.max_parties})")
-        return np.mod(np.rint(x * self.scale).astype(np.int64), PRIME)
+        k = np.rint(x * self.scale)
+        if x.size and float(np.max(np.abs(k))) > self.max_integer:
+            raise ValueError(f"x: a coordinate exceeds the codec's range max_abs={self.max_abs:.4g} "
+                             f"(frac_bits={self.frac_bits}, max_parties={self.max_parties})")
+        return np.mod(k.astype(np.int64), PRIME)
 
     def decode(self, v: np.ndarray) -> np.ndarray:
         """Reals from field elements (centred lift: the upper half of the field is negative)."""
