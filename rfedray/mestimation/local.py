@@ -116,6 +116,10 @@ def private_hessian(model, params: Params, batch: tuple[Tensor, ...], clip: floa
                     generator: SecureGenerator, chunk_size: int = 32) -> Tensor:
     """``sym(mean of Frobenius-clipped per-record Hessians + N(0, sigma^2))``, shape ``(P, P)``.
 
+    A record whose Hessian is not finite (e.g. a finite but huge record whose Hessian overflows)
+    contributes zero, a valid clipped value, as in :func:`~rfedray.privacy.mechanism.private_gradient`:
+    one record can neither turn the release into NaN nor reveal through it that it was sampled.
+
     Per-record Hessians come from the model's closed form when it has one
     (``per_sample_hessian_norms`` and ``weighted_hessian_sum``, e.g. the GLMs of
     :mod:`rfedray.models.logreg`), else from :class:`VmapHessian`.
@@ -143,7 +147,11 @@ def private_hessian(model, params: Params, batch: tuple[Tensor, ...], clip: floa
         weights = torch.full((size,), 1.0 / size, dtype=dtype)
     else:
         norms = source.per_sample_hessian_norms(params, *batch)
-        weights = (clip / norms.clamp_min(1e-30)).clamp(max=1.0) / size
+        finite = torch.isfinite(norms)
+        weights = torch.where(finite, (clip / norms.clamp_min(1e-30)).clamp(max=1.0), 0.0) / size
+        # A record whose Hessian is not finite contributes exactly zero, as in private_gradient: its
+        # values are replaced by zeros before the weighted sum (0 * inf would be NaN).
+        batch = tuple(torch.where(finite.view(-1, *(1,) * (t.dim() - 1)), t, torch.zeros_like(t)) for t in batch)
     mean = source.weighted_hessian_sum(params, weights, *batch)
     if sigma is not None:
         mean = mean + scaled_noise(generator.standard_normal(mean.shape), sigma, mean)
