@@ -108,7 +108,7 @@ def test_ddpsa_config_is_validated():
     from rfedray.mestimation.config import DDPSAConfig, load
 
     cfg = load(DDPSAConfig, "configs/ddpsa_synthetic.yaml", [])
-    assert cfg.ddpsa.clipping == "median"
+    assert cfg.ddpsa.clipping == "private_quantile"
     with pytest.raises(ConfigError, match="ddpsa.clipping"):
         load(DDPSAConfig, None, ["ddpsa.clipping=adaptive"])
     with pytest.raises(ConfigError, match="ddpsa.aggregators"):
@@ -130,3 +130,34 @@ def test_ray_engine_with_aggregator_actors():
     local = _run(StaticClip(1.0), 8.0, rounds=3)
     for k in local["theta"]:
         assert torch.allclose(ray_run["theta"][k], local["theta"][k], atol=1e-6)
+
+
+# ----- issue 16, item 6: the covered variant by default; the uncovered one says so everywhere ---------
+
+DDPSA_RUN = ["run.rounds=3", "data.options.records_per_client=100", "federation.batch_size=20", "run.engine=local"]
+
+
+def test_the_covered_variant_is_the_default_in_code_and_configs():
+    from rfedray.mestimation.config import DDPSAConfig, load
+
+    assert load(DDPSAConfig, None, []).ddpsa.clipping == "private_quantile"
+    for config in ("configs/ddpsa_synthetic.yaml", "configs/ddpsa_diabetes.yaml"):
+        assert load(DDPSAConfig, config, []).ddpsa.clipping == "private_quantile", config
+
+
+@pytest.mark.parametrize("clipping, covered", [("median", False), ("private_quantile", True)])
+def test_every_line_and_the_summary_say_whether_the_run_is_covered(clipping, covered, tmp_path, capsys):
+    import json
+
+    from rfedray import cli
+
+    assert cli.main(["ddpsa", "run", "configs/ddpsa_synthetic.yaml", *DDPSA_RUN, f"ddpsa.clipping={clipping}",
+                     f"run.output_dir={tmp_path}"]) == 0
+    captured = capsys.readouterr()
+    run_dir = tmp_path / captured.out.strip().rsplit("/", 1)[-1]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert len(lines) == 3 and all(line["covered"] is covered for line in lines)
+    assert summary["covered"] is covered
+    warned = "NOT covered by the record-level guarantee" in captured.err
+    assert warned is not covered

@@ -15,6 +15,7 @@ Round ``t``:
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -30,6 +31,8 @@ from rfedray.federated.server import cohort as draw_cohort
 from rfedray.mestimation.engine import Engine, HostedClient
 from rfedray.mestimation.local import ParamLayout, StepPlan
 from rfedray.task import FederatedDataset, FederatedModel, Params
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,8 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
     Parameters
     ----------
     policy : ClipPolicy
-        StaticClip (DDP-SA), MedianClip (DDP-SA-adaptive as published, not covered) or
-        PrivateQuantileClip (covered).
+        StaticClip (DDP-SA), MedianClip (DDP-SA-adaptive as published, not covered: the run warns,
+        and every record and the summary say ``covered: false``) or PrivateQuantileClip (covered).
     engine : Engine
     aggregators : AggregatorGroup
     model, dataset
@@ -115,6 +118,10 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
         raise ValueError(f"lr={lr}: must be > 0")
     if patience < 1:
         raise ValueError(f"patience={patience}: must be >= 1")
+    if not policy.covered:
+        log.warning("ddpsa.clipping=%s is NOT covered by the record-level guarantee: its clip thresholds are "
+                    "unprivatised functions of the records that the run releases; its epsilon is nominal "
+                    "(use ddpsa.clipping=private_quantile)", policy.name)
     theta = model.init_params(torch.Generator().manual_seed(seed * 7919 + 17))
     layout = ParamLayout.of(theta)
     num_layers = len(layers_of(theta))
@@ -150,7 +157,7 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
         answered = [r for r in receipts.values() if not isinstance(r, ClientFailure)]
         metrics = model.evaluate(theta, eval_data)
         record = {
-            "round": t, "participants": len(secure.participants), "dropped": len(secure.dropped),
+            "round": t, "covered": policy.covered, "participants": len(secure.participants), "dropped": len(secure.dropped),
             "failed": len(chosen) - len(answered), "aggregated": secure.total is not None,
             "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
             "round_seconds": time.perf_counter() - round_start,
@@ -171,6 +178,7 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
     last = history[-1] if history else {}
     summary = {
         **policy.describe(),
+        "covered": policy.covered,
         "guarantee": "covered" if policy.covered else
                      "NOT covered: clip thresholds are unprivatised medians of the records; epsilon is nominal",
         "rounds_completed": len(history), "rounds_planned": rounds, "stopped_early": stopped_early,
