@@ -29,7 +29,9 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.cluster import ClusterShape, ClusterWait, actor_bundle
 from rfedray.config import Config, ConfigError
+from rfedray.cuda import cuda_report
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import ClientFailure, LocalPlan, LocalResult
 from rfedray.federated.executor import LocalExecutor
@@ -38,10 +40,6 @@ from rfedray.task import ClientData
 from rfedray.threads import use_threads
 
 log = logging.getLogger(__name__)
-
-ACTOR_START_TIMEOUT_S = 120.0
-"""How long the pool waits for its placement group and its actors at start-up."""
-
 
 def to_device(obj: Any, device: torch.device) -> Any:
     """``obj`` with every tensor moved to ``device`` (dicts, lists and tuples are walked)."""
@@ -57,15 +55,33 @@ def to_device(obj: Any, device: torch.device) -> Any:
 def resolve_device(requested: str) -> torch.device:
     """The torch device of an actor: ``auto`` is its GPU when Ray gave it one, else the CPU.
 
+    An actor that Ray gave a GPU never trains on the CPU instead: when torch cannot use the GPU
+    (a CPU-only torch, or a driver older than torch's CUDA build), it refuses to start.
+
     Raises
     ------
-    RuntimeError
-        For ``cuda`` on an actor without a visible CUDA device.
+    RfedrayError
+        For ``auto`` or ``cuda`` when Ray assigned this actor a GPU that torch cannot use, and for
+        ``cuda`` on an actor without a GPU; the message gives torch's CUDA build, the NVIDIA
+        driver's version and the CUDA version that driver supports.
     """
-    has_gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()
-    if requested == "cuda" and not has_gpu:
-        raise RuntimeError("ray.device=cuda, but this client actor sees no CUDA device")
-    return torch.device("cuda" if requested != "cpu" and has_gpu else "cpu")
+    cpu = torch.device("cpu")
+    if requested == "cpu":
+        return cpu
+    gpus = [str(g) for g in ray.get_gpu_ids()]
+    if gpus and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    node = ray.get_runtime_context().get_node_id()[:12]
+    if gpus:
+        raise RfedrayError(
+            f"ray.device={requested}: Ray assigned GPU {', '.join(gpus)} to this client actor (node {node}), but "
+            f"torch cannot use it: {cuda_report()}. Use a node image whose driver supports torch's CUDA "
+            "(deploy/README.md), or ray.device=cpu with ray.num_gpus_per_actor=0"
+        )
+    if requested == "cuda":
+        raise RfedrayError(f"ray.device=cuda: this client actor (node {node}) has no GPU from Ray; "
+                           f"ray.num_gpus_per_actor must be > 0 ({cuda_report()})")
+    return cpu
 
 
 class DeviceDataset:
@@ -188,27 +204,13 @@ def assign_clients(n_clients: int, cfg: Config, cluster_cpus: float) -> list[lis
     return [block.tolist() for block in np.array_split(np.arange(n_clients), actors)]
 
 
-def check_capacity(cfg: Config, actors: int, resources: Mapping[str, float]) -> None:
-    """Refuse actor counts and sizes the cluster cannot host at all (instead of waiting for them).
-
-    Raises
-    ------
-    ConfigError
-        Naming the per-actor resource that the cluster's total cannot cover.
-    """
-    for resource, field in (("CPU", "ray.num_cpus_per_actor"), ("GPU", "ray.num_gpus_per_actor")):
-        per_actor = getattr(cfg.ray, field.split(".")[1])
-        have = resources.get(resource, 0.0)
-        if actors * per_actor > have + 1e-9:
-            raise ConfigError(field, per_actor, f"{actors} client actors need {actors * per_actor:g} {resource} "
-                              f"in all; the Ray cluster has {have:g} (lower it or ray.num_client_actors)")
-
-
 class ClientPool:
     """The client actors of a run: placement, sticky blocks, start-up and re-creation.
 
     ``ray.placement: SPREAD`` schedules each actor with Ray's SPREAD strategy; ``PACK``,
     ``STRICT_PACK`` and ``STRICT_SPREAD`` reserve a placement group with one bundle per actor.
+    Start-up waits for the cluster (and, on an autoscaling cluster, for the nodes the autoscaler
+    adds) until ``ray.actor_start_timeout_s``: see :class:`actors.cluster.ClusterWait`.
 
     Parameters
     ----------
@@ -219,34 +221,36 @@ class ClientPool:
     threads : int
         torch and BLAS threads of every actor (at most ``ray.num_cpus_per_actor``, see
         :func:`rfedray.threads.choose_threads`).
+    shape : ClusterShape
+        The cluster, already checked to be able to host the actors (:meth:`ClusterShape.check`).
     """
 
-    def __init__(self, cfg: Config, plan: LocalPlan, blocks: list[list[int]], threads: int):
+    def __init__(self, cfg: Config, plan: LocalPlan, blocks: list[list[int]], threads: int, shape: ClusterShape):
         self.cfg, self.plan, self.blocks, self.threads = cfg, plan, blocks, threads
         self.placement_group: Optional[PlacementGroup] = None
-        if cfg.ray.placement != "SPREAD":
-            self.placement_group = self._reserve()
-        self.actors = [self._create(slot) for slot in range(len(blocks))]
         self.slot_of = {cid: slot for slot, block in enumerate(blocks) for cid in block}
-
-    def _bundle(self) -> dict[str, float]:
-        r = self.cfg.ray
-        return {k: v for k, v in (("CPU", r.num_cpus_per_actor), ("GPU", r.num_gpus_per_actor)) if v > 0}
+        self.startup = ClusterWait(cfg, len(blocks), shape)
+        self.actors: list = []
+        try:
+            if cfg.ray.placement != "SPREAD":
+                self.placement_group = self._reserve()
+            self.actors = [self._create(slot) for slot in range(len(blocks))]
+        except BaseException:
+            self.startup.done()
+            raise
 
     def _reserve(self) -> PlacementGroup:
-        bundle = self._bundle()
+        bundle = actor_bundle(self.cfg)
         if not bundle:
             raise ConfigError("ray.placement", self.cfg.ray.placement,
                               "a placement group needs ray.num_cpus_per_actor > 0 or ray.num_gpus_per_actor > 0")
         pg = placement_group([bundle] * len(self.blocks), strategy=self.cfg.ray.placement)
         try:
-            ray.get(pg.ready(), timeout=ACTOR_START_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
+            self.startup.gather([pg.ready()], f"placement group (ray.placement={self.cfg.ray.placement})",
+                                bundles_per_ref=len(self.blocks))
+        except BaseException:
             remove_placement_group(pg)
-            raise RfedrayError(
-                f"ray.placement={self.cfg.ray.placement}: the cluster cannot place {len(self.blocks)} bundles of "
-                f"{bundle} within {ACTOR_START_TIMEOUT_S:.0f} s (resources: {ray.cluster_resources()})"
-            ) from None
+            raise
         return pg
 
     def _create(self, slot: int):
@@ -266,20 +270,19 @@ class ClientPool:
         Raises
         ------
         RfedrayError
-            If an actor fails to start or the cluster cannot host them all in time.
+            If an actor fails to start (its own error, e.g. a GPU that torch cannot use), or the
+            cluster cannot host them all within ``ray.actor_start_timeout_s``.
         """
         try:
-            return ray.get([a.describe.remote() for a in self.actors], timeout=ACTOR_START_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            r = self.cfg.ray
-            raise RfedrayError(
-                f"ray.num_client_actors: {len(self.actors)} client actors (num_cpus={r.num_cpus_per_actor}, "
-                f"num_gpus={r.num_gpus_per_actor} each) did not start within {ACTOR_START_TIMEOUT_S:.0f} s; "
-                f"the cluster has {ray.cluster_resources()}"
-            ) from None
+            return self.startup.gather([a.describe.remote() for a in self.actors], "client actors started")
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, RfedrayError):
+                raise RfedrayError(f"a client actor failed to start: {exc.cause}") from None
+            raise RfedrayError(f"a client actor failed to start: {_last_line(exc)}") from None
         except ray.exceptions.RayError as exc:
-            detail = str(exc).strip().splitlines()
-            raise RfedrayError(f"a client actor failed to start: {detail[-1] if detail else type(exc).__name__}") from None
+            raise RfedrayError(f"a client actor failed to start: {_last_line(exc)}") from None
+        finally:
+            self.startup.done()
 
     def recreate(self, slot: int) -> None:
         """Replace a permanently dead actor by a new one hosting the same clients.
@@ -298,7 +301,17 @@ class ClientPool:
         return by_slot
 
     def close(self) -> None:
+        self.startup.done()
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
+
+
+def _last_line(exc: BaseException) -> str:
+    """The last line of a Ray error, which names the original error; an rfedray error's class name dropped."""
+    lines = str(exc).strip().splitlines()
+    if not lines:
+        return type(exc).__name__
+    kind, sep, message = lines[-1].partition(": ")
+    return message if sep and kind.startswith("rfedray.") else lines[-1]

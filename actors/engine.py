@@ -20,7 +20,8 @@ from typing import Mapping, Optional, Sequence
 import ray
 
 from actors.accountant_actor import RemoteLedger, start_accountant
-from actors.client_actor import ACTOR_START_TIMEOUT_S, ClientPool, assign_clients, check_capacity
+from actors.client_actor import ClientPool, assign_clients
+from actors.cluster import ClusterShape
 from actors.session import RaySession, check_ray_config
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import ClientFailure, LocalResult
@@ -31,6 +32,9 @@ from rfedray.task import Params
 from rfedray.threads import choose_threads
 
 log = logging.getLogger(__name__)
+
+ACCOUNTANT_START_TIMEOUT_S = 120.0
+"""How long the driver waits for the accountant actor (on its own node, no resources) to start."""
 
 PROBE_INTERVAL_S = 0.25
 """Pause between probes of a client actor that Ray is restarting."""
@@ -70,18 +74,18 @@ class RayExecutor:
             Every client actor's :meth:`~actors.client_actor.ClientActor.describe`.
         """
         cfg = fed.cfg
-        resources = ray.cluster_resources()
-        blocks = assign_clients(cfg.federation.n_clients, cfg, resources.get("CPU", 0.0))
-        check_capacity(cfg, len(blocks), resources)
+        shape = ClusterShape.discover()
+        blocks = assign_clients(cfg.federation.n_clients, cfg, ray.cluster_resources().get("CPU", 0.0))
+        shape.check(cfg, len(blocks))
         threads = choose_threads(cfg.federation.batch_size, fed.dataset.info["record_shape"],
                                  max(1, int(cfg.ray.num_cpus_per_actor)), cfg.run.threads)
-        self.pool = ClientPool(cfg, local_plan(cfg, fed.privacy), blocks, threads)
+        self.pool = ClientPool(cfg, local_plan(cfg, fed.privacy), blocks, threads, shape)
         ledger = fed.make_ledger()
         if ledger is not None:
             fingerprint = accounting_fingerprint(cfg, fed.privacy, fed.sizes)
             self.accountant = start_accountant(ledger, fingerprint, fed.run_dir.budget)
             try:
-                ray.get(self.accountant.epsilon_spent.remote(), timeout=ACTOR_START_TIMEOUT_S)
+                ray.get(self.accountant.epsilon_spent.remote(), timeout=ACCOUNTANT_START_TIMEOUT_S)
             except ray.exceptions.RayError as exc:
                 raise RfedrayError(f"the privacy accountant actor did not start ({type(exc).__name__}): "
                                    f"{str(exc).strip().splitlines()[-1]}") from None

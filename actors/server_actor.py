@@ -11,8 +11,8 @@ What runs where (``rfedray run`` with ``run.engine: ray``):
   (:func:`actors.engine.ray_executor`): cohort draw, write-ahead charge, theta_t put once per round,
   concurrent client calls within ``ray.round_timeout_s``, aggregation, evaluation,
   ``metrics.jsonl``, checkpoints and ``summary.json``. It serves the run's Prometheus endpoint
-  (``monitoring.metrics_port``), so the metrics come from one place and do not depend on the
-  driver;
+  (``monitoring.metrics_port``, with every client actor's device), so the metrics come from one
+  place and do not depend on the driver;
 * the client actors and the accountant actor are created by the server and owned by it: they end
   with it. ``RUN_DIR/placement.json`` records where the server and the client actors started.
 
@@ -92,13 +92,15 @@ class ServerActor:
         """
         with user_errors_as_rfedray_errors(), ExitStack() as stack:
             fed = Federation.prepare(self.cfg, self.run_dir, [self])
-            attach_metrics(fed, stack)
+            metrics = attach_metrics(fed, stack)
             executor = ray_executor(fed)
             stack.callback(executor.close)
             self.placement = {
                 "server": {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()},
                 "client_actors": executor.describe(),
             }
+            if metrics is not None:
+                metrics.metrics.set_client_actors(self.placement["client_actors"])
             return fed.run(executor, resume=resume)
 
     def on_round(self, record: dict) -> None:

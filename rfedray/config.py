@@ -130,6 +130,7 @@ class RayConfig:
     num_gpus_per_actor: float = 0.0
     placement: str = "SPREAD"
     round_timeout_s: float = 300.0
+    actor_start_timeout_s: float = 1200.0
     max_restarts: int = 3
     device: str = "auto"
 
@@ -397,6 +398,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("ray.num_gpus_per_actor", ray.num_gpus_per_actor, "must be >= 0 (fractions pack actors on a GPU)")
     _choice("ray.placement", ray.placement, PLACEMENTS)
     _positive("ray.round_timeout_s", ray.round_timeout_s)
+    _positive("ray.actor_start_timeout_s", ray.actor_start_timeout_s)
     if ray.max_restarts < -1:
         raise ConfigError("ray.max_restarts", ray.max_restarts, "must be >= -1 (-1 restarts forever)")
     _choice("ray.device", ray.device, DEVICES)

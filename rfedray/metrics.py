@@ -5,10 +5,13 @@ one process (tests, notebooks, a benchmark sweep) do not clash over metric names
 endpoint (``monitoring.metrics_host``/``monitoring.metrics_port``) that Prometheus scrapes. Why
 ``prometheus_client`` and not ``ray.util.metrics`` is explained in ``monitoring/README.md``.
 
-Every series carries exactly four labels, ``run_id``, ``scheme``, ``dataset`` and ``model``, fixed
-when the run starts: no label value depends on the data, and no metric is broken down by client
+Every series carries the four labels ``run_id``, ``scheme``, ``dataset`` and ``model``, fixed when
+the run starts: no label value depends on the data, and no metric is broken down by client
 (failures and local-training times are aggregated over the cohort), so the endpoint reveals nothing
-about any one client beyond what the released model already does.
+about any one client beyond what the released model already does. Two info gauges (value 1) carry
+more labels, about the software and the machines, never the data: ``rfedray_run_info`` (version,
+configuration digest, state) and ``rfedray_client_actor_device`` (one series per client actor of the
+Ray engine: actor slot, node, torch device, GPU ids).
 
 The names are listed in :data:`METRIC_NAMES` (the forms that appear in the exposition, including
 the ``_total``, ``_bucket``, ``_count``, ``_sum`` and ``_created`` series), which the alert rules
@@ -76,8 +79,25 @@ _HISTOGRAMS = {
     ),
 }
 
+RUN_STATES = ("running", "finished", "halted", "failed")
+"""Values of the ``state`` label of ``rfedray_run_info``: running until the run ends, then how it ended."""
+
+_INFO_GAUGES = {
+    "rfedray_run_info": (
+        "1 for the run's software version, configuration digest and state (running, finished, halted, failed).",
+        ("version", "config_digest", "state"),
+    ),
+    "rfedray_client_actor_device": (
+        "1 for each client actor of the Ray engine: its slot, node, torch device and Ray GPU ids.",
+        ("actor", "node_id", "device", "gpu_ids"),
+    ),
+}
+
+INFO_LABELS: dict[str, tuple[str, ...]] = {name: extra for name, (_, extra) in _INFO_GAUGES.items()}
+"""The labels each info gauge carries besides :data:`LABELS`."""
+
 METRIC_NAMES: frozenset[str] = frozenset(
-    set(_GAUGES)
+    set(_GAUGES) | set(_INFO_GAUGES)
     | {f"{name}{suffix}" for name in _COUNTERS for suffix in ("_total", "_created")}
     | {f"{name}{suffix}" for name in _HISTOGRAMS for suffix in ("_bucket", "_count", "_sum", "_created")}
 )
@@ -139,8 +159,11 @@ class RunMetrics:
         delta: float,
         sigma: Optional[float],
         seeded: bool,
+        version: str = "unknown",
+        config_digest: str = "unknown",
     ):
         values = {name: _check_label(name, value) for name, value in zip(LABELS, (run_id, scheme, dataset, model))}
+        self.info = {"version": _check_label("version", version), "config_digest": _check_label("config_digest", config_digest)}
         if epsilon_target is not None and not (math.isfinite(epsilon_target) and epsilon_target > 0):
             raise ValueError(f"epsilon_target={epsilon_target!r}: must be None or a finite number > 0")
         if not (0.0 < delta < 1.0):
@@ -162,6 +185,9 @@ class RunMetrics:
             self._families[name] = Counter(name, doc, LABELS, registry=self.registry)
         for name, (doc, buckets) in _HISTOGRAMS.items():
             self._families[name] = Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry)
+        for name, (doc, extra) in _INFO_GAUGES.items():
+            self._families[name] = Gauge(name, doc, LABELS + extra, registry=self.registry)
+        self.state: Optional[str] = None
         # A labelled series is exported once its child exists: counters and histograms start at 0
         # (rates need the zero), gauges appear when they have a value (a dashboard shows "no
         # data" for a round not yet completed rather than a misleading 0).
@@ -175,6 +201,7 @@ class RunMetrics:
         self._child("rfedray_halted").set(0)
         self._child("rfedray_not_for_production").set(1 if seeded else 0)
         self._child("rfedray_run_start_timestamp_seconds").set(time.time())
+        self.set_state("running")
 
     def _child(self, name: str):
         """The series of metric ``name`` carrying this run's labels (created on first use)."""
@@ -309,6 +336,33 @@ class RunMetrics:
     def submission_rejected(self, count: int = 1) -> None:
         """Count ``count`` (>= 0) submissions the server rejected."""
         self._child("rfedray_submissions_rejected").inc(_check_count("count", count))
+
+    def set_state(self, state: str) -> None:
+        """Export the run's state as the one ``rfedray_run_info`` series (``state`` in :data:`RUN_STATES`)."""
+        if state not in RUN_STATES:
+            raise ValueError(f"state={state!r}: must be one of {', '.join(RUN_STATES)}")
+        family = self._families["rfedray_run_info"]
+        with self._lock:
+            if self.state is not None:
+                family.remove(*self.labels.values(), *self.info.values(), self.state)
+            family.labels(**self.labels, **self.info, state=state).set(1)
+            self.state = state
+
+    def set_client_actors(self, actors: Sequence[Mapping]) -> None:
+        """Export where each client actor runs (one ``rfedray_client_actor_device`` series each).
+
+        Parameters
+        ----------
+        actors : sequence of mapping
+            Per actor, in slot order, its ``describe()``: ``node_id``, ``device``, ``gpu_ids``.
+        """
+        family = self._families["rfedray_client_actor_device"]
+        with self._lock:
+            family.clear()
+            for slot, actor in enumerate(actors):
+                family.labels(**self.labels, actor=str(slot), node_id=_check_label("node_id", actor["node_id"]),
+                              device=_check_label("device", actor["device"]),
+                              gpu_ids=",".join(str(g) for g in actor["gpu_ids"])).set(1)
 
     def set_halted(self, halted: bool) -> None:
         """Export whether the run has halted (1) or is running (0)."""

@@ -7,6 +7,7 @@ round's record and the summary. On the Ray engine the server actor attaches the 
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from contextlib import ExitStack
@@ -38,16 +39,29 @@ class ProgressObserver:
         self.progress.close(f"done: {summary['rounds_completed']} rounds{budget}{halted}")
 
 
+def config_digest(cfg: Config) -> str:
+    """The first 16 hex digits of the SHA-256 of the resolved configuration's YAML."""
+    from rfedray.config import to_yaml
+
+    return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:16]
+
+
 class MetricsObserver:
-    """Exports round records to Prometheus through :class:`rfedray.metrics.RunMetrics`."""
+    """Exports round records to Prometheus through :class:`rfedray.metrics.RunMetrics`.
+
+    The run's state (``rfedray_run_info``) is ``running`` from the start, then ``finished`` or
+    ``halted`` when the run ends, or ``failed`` when the endpoint closes before that.
+    """
 
     def __init__(self, cfg: Config, run_id: str, sigma: Optional[float]):
+        from rfedray import __version__
         from rfedray.metrics import RunMetrics
 
         self.metrics = RunMetrics(
             run_id=run_id, scheme=cfg.aggregation.scheme, dataset=cfg.data.source, model=cfg.model.name,
             epsilon_target=cfg.privacy.epsilon if cfg.privacy.enabled else None,
             delta=cfg.privacy.delta, sigma=sigma, seeded=cfg.privacy.noise_seed is not None,
+            version=__version__, config_digest=config_digest(cfg),
         )
         self.port = self.metrics.start_server(cfg.monitoring.metrics_port, cfg.monitoring.metrics_host)
         self.linger_seconds = cfg.monitoring.linger_seconds
@@ -67,14 +81,17 @@ class MetricsObserver:
 
     def on_finish(self, summary: dict) -> None:
         self.metrics.set_halted(bool(summary["halted"]))
+        self.metrics.set_state("halted" if summary["halted"] else "finished")
 
     def close(self) -> None:
         """Stop the endpoint, after ``monitoring.linger_seconds`` so a scraper sees the final values."""
+        if self.metrics.state == "running":
+            self.metrics.set_state("failed")
         time.sleep(self.linger_seconds)
         self.metrics.close()
 
 
-def attach_metrics(fed, stack: ExitStack) -> None:
+def attach_metrics(fed, stack: ExitStack) -> Optional[MetricsObserver]:
     """Start the Prometheus endpoint of ``fed`` if ``monitoring.metrics_port`` is set; ``stack`` closes it.
 
     Parameters
@@ -84,8 +101,15 @@ def attach_metrics(fed, stack: ExitStack) -> None:
         server actor).
     stack : ExitStack
         Closes the endpoint (after ``monitoring.linger_seconds``) when it unwinds.
+
+    Returns
+    -------
+    MetricsObserver or None
+        The endpoint's observer, None when metrics are off.
     """
-    if fed.cfg.monitoring.metrics_port is not None:
-        metrics = MetricsObserver(fed.cfg, fed.run_dir.run_id, fed.privacy.sigma)
-        stack.callback(metrics.close)
-        fed.observers.append(metrics)
+    if fed.cfg.monitoring.metrics_port is None:
+        return None
+    metrics = MetricsObserver(fed.cfg, fed.run_dir.run_id, fed.privacy.sigma)
+    stack.callback(metrics.close)
+    fed.observers.append(metrics)
+    return metrics

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Set up rfedray on a fresh machine: a virtual environment in .venv with the pinned packages of
 # constraints.txt (the same file the CI and the cluster nodes use). Idempotent: a second run only
-# checks a stamp and returns. With --test it also installs what the integration tests need
-# (Debian's prometheus, for the real scrape test) when it is missing. With --flower it also makes
-# Flower's own environment in .venv-flower (the pyproject extra "flower", pinned by
-# benchmarks/flower/constraints.txt) for benchmarks/side_by_side.py.
+# checks a stamp and returns. With --test it also installs what the integration tests need when it
+# is missing: Debian's prometheus (the real scrape tests) and chromium (the live-monitoring test).
+# With --flower it also makes Flower's own environment in .venv-flower (the pyproject extra
+# "flower", pinned by benchmarks/flower/constraints.txt) for benchmarks/side_by_side.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,24 +23,32 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.rfedray-stamp
-want=$(cat constraints.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat constraints.txt constraints-cuda.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing pinned packages (constraints.txt)"
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
-  .venv/bin/python -m pip install -q -c constraints.txt "torch==$(grep '^torch==' constraints.txt | cut -d= -f3)"
+  # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build. On Linux x86_64 the PyPI
+  # wheel is a CUDA build whatever the pin; constraints-cuda.txt pins its CUDA wheels.
+  .venv/bin/python -m pip install -q -c constraints.txt -c constraints-cuda.txt "torch==$(grep '^torch==' constraints.txt | cut -d= -f3)"
   .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
   echo "$want" > "$stamp"
 fi
 
-if [ "$WITH_TEST" = 1 ] && ! command -v prometheus >/dev/null 2>&1; then
+missing=""
+if [ "$WITH_TEST" = 1 ]; then
+  command -v prometheus >/dev/null 2>&1 || missing="$missing prometheus"
+  command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+fi
+if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing Debian's prometheus for the scrape test"
-    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
-    # The package starts a system service; the tests run their own server.
-    (systemctl stop prometheus 2>/dev/null || service prometheus stop 2>/dev/null || pkill -x prometheus || true) >/dev/null 2>&1
+    echo "setup: installing Debian's$missing for the integration tests"
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+    if [[ "$missing" == *prometheus* ]]; then
+      # The package starts a system service; the tests run their own server.
+      (systemctl stop prometheus 2>/dev/null || service prometheus stop 2>/dev/null || pkill -x prometheus || true) >/dev/null 2>&1
+    fi
   else
-    echo "setup: prometheus not found and cannot apt-get install it; the scrape test will fail" >&2
+    echo "setup:$missing not found and cannot apt-get install it; the tests that need it will fail" >&2
   fi
 fi
 if [ "$WITH_FLOWER" = 1 ]; then

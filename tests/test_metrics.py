@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prometheus_server import prometheus  # noqa: F401  (pytest fixture)
 from rfedray.config import ConfigError
-from rfedray.metrics import LABELS, METRIC_NAMES, ROUND_METRIC_GAUGES, RunMetrics
+from rfedray.metrics import INFO_LABELS, LABELS, METRIC_NAMES, ROUND_METRIC_GAUGES, RunMetrics
 from rfedray.progress import Progress
 
 RUN = dict(run_id="run-1", scheme="projavg", dataset="synthetic_pca", model="fedpca")
@@ -125,6 +125,7 @@ def test_metric_names_are_exactly_the_exposed_ones():
     metrics.client_failure()
     metrics.submission_rejected()
     metrics.set_halted(True)
+    metrics.set_client_actors(ACTORS)
     exposed = {s.name for f in text_string_to_metric_families(_exposition(metrics)) for s in f.samples}
     assert exposed == set(METRIC_NAMES)
     assert all(name.startswith("rfedray_") for name in METRIC_NAMES)
@@ -138,6 +139,8 @@ def test_no_client_label_and_label_values_do_not_depend_on_data():
                   metrics={k: v * 7 for k, v in r["metrics"].items()}) for r in ROUNDS])
     b.client_failure(5)
     a.client_failure(1)
+    a.set_client_actors(ACTORS)
+    b.set_client_actors(ACTORS)
 
     def series(metrics):
         return {(s.name, tuple(sorted(s.labels.items())))
@@ -147,8 +150,43 @@ def test_no_client_label_and_label_values_do_not_depend_on_data():
     for name, labels in series(a):
         names = dict(labels)
         assert not any(key.lower().startswith("client") for key in names), (name, names)
-        assert set(names) - {"le"} == set(LABELS), (name, names)
+        assert set(names) - {"le"} == set(LABELS) | set(INFO_LABELS.get(name, ())), (name, names)
         assert {k: names[k] for k in LABELS} == RUN
+
+
+ACTORS = [{"node_id": "a" * 56, "device": "cuda:0", "gpu_ids": ["0"]},
+          {"node_id": "b" * 56, "device": "cuda:0", "gpu_ids": ["0"]},
+          {"node_id": "b" * 56, "device": "cpu", "gpu_ids": []}]
+
+
+def info_series(metrics: RunMetrics, name: str) -> list[dict]:
+    """The extra labels of every series of an info gauge (their values are all 1)."""
+    samples = [s for f in metrics.registry.collect() for s in f.samples if s.name == name]
+    assert all(sample.value == 1 for sample in samples)
+    return [{k: v for k, v in sample.labels.items() if k not in LABELS} for sample in samples]
+
+
+def test_run_info_has_one_series_for_the_runs_state():
+    metrics = make(version="0.1.0", config_digest="0123456789abcdef")
+    assert info_series(metrics, "rfedray_run_info") == [
+        {"version": "0.1.0", "config_digest": "0123456789abcdef", "state": "running"}]
+    for state in ("halted", "finished", "failed"):
+        metrics.set_state(state)
+        assert [s["state"] for s in info_series(metrics, "rfedray_run_info")] == [state]
+    with pytest.raises(ValueError, match="state='done': must be one of running, finished, halted, failed"):
+        metrics.set_state("done")
+
+
+def test_client_actor_devices_one_series_each():
+    metrics = make()
+    metrics.set_client_actors(ACTORS)
+    assert info_series(metrics, "rfedray_client_actor_device") == [
+        {"actor": "0", "node_id": "a" * 56, "device": "cuda:0", "gpu_ids": "0"},
+        {"actor": "1", "node_id": "b" * 56, "device": "cuda:0", "gpu_ids": "0"},
+        {"actor": "2", "node_id": "b" * 56, "device": "cpu", "gpu_ids": ""},
+    ]
+    metrics.set_client_actors(ACTORS[:1])  # a new placement replaces the old one
+    assert len(info_series(metrics, "rfedray_client_actor_device")) == 1
 
 
 def test_optional_values_are_absent_not_zero():

@@ -16,7 +16,7 @@ import ray
 import torch
 
 from actors.accountant_actor import RemoteLedger, start_accountant
-from actors.client_actor import assign_clients, check_capacity
+from actors.client_actor import assign_clients
 from actors.engine import ray_executor
 from actors.session import check_ray_config
 from rfedray.config import ConfigError, load_config
@@ -154,11 +154,6 @@ def test_ray_settings_checked_before_start():
     assert assign_clients(10, load_config(None, ["ray.clients_per_actor=4"]), 2) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert assign_clients(5, load_config(None, []), 2) == [[0, 1, 2], [3, 4]]
     assert assign_clients(5, load_config(None, ["ray.num_cpus_per_actor=0.5"]), 2) == [[0, 1], [2], [3], [4]]
-    with pytest.raises(ConfigError, match="ray.num_gpus_per_actor"):
-        check_capacity(load_config(None, ["ray.num_gpus_per_actor=0.25"]), 2, {"CPU": 2.0})
-    with pytest.raises(ConfigError, match="ray.num_cpus_per_actor"):
-        check_capacity(load_config(None, ["ray.num_cpus_per_actor=1.5"]), 2, {"CPU": 2.0})
-    check_capacity(load_config(None, ["ray.num_gpus_per_actor=0.125"]), 8, {"CPU": 16.0, "GPU": 1.0})
 
 
 @pytest.mark.parametrize("where", ["config", "environment"])

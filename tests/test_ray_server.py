@@ -66,6 +66,15 @@ def scrape(port):
     return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def series(port, name):
+    """The label sets of metric ``name`` at the endpoint on ``port`` ([] while nothing answers there)."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+    except OSError:
+        return []
+    return [s.labels for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
+
+
 def test_same_model_as_the_local_engine_with_progress_and_warnings_relayed(tmp_path, caplog):
     overrides = ["privacy.accountant=exact", "run.rounds=4"]
     local, theta_local, _ = run_engine(tmp_path, "local", *overrides, engine="local")
@@ -96,9 +105,15 @@ def test_metrics_are_served_by_the_server_actor(tmp_path):
         assert thread.is_alive() and time.monotonic() < deadline, "the endpoint never reported 5 rounds"
         time.sleep(0.1)
     (listener,) = [c.pid for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == "LISTEN"]
+    devices = series(port, "rfedray_client_actor_device")
+    while (info := series(port, "rfedray_run_info")) and info[0]["state"] == "running":
+        time.sleep(0.1)  # the run ends; its endpoint lingers 3 s with the final state
     thread.join(timeout=60)
     placement = json.loads((outcome["rd"].path / "placement.json").read_text())
     assert listener == placement["server"]["pid"] != os.getpid()
+    assert [i["state"] for i in info] == ["finished"] and info[0]["version"] == "0.1.0"
+    assert [(d["actor"], d["node_id"], d["device"], d["gpu_ids"]) for d in devices] == [
+        (str(slot), a["node_id"], a["device"], "") for slot, a in enumerate(placement["client_actors"])]
     assert values["rfedray_epsilon_spent"] == pytest.approx(outcome["summary"]["epsilon_spent"], rel=1e-12)
     assert scrape(port) is None  # closed once the linger is over
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from prometheus_server import free_port, prometheus  # noqa: F401  (pytest fixture)
+from rfedray.metrics import INFO_LABELS
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [
@@ -82,7 +83,7 @@ def test_no_client_value_leaks_through_metrics_logs_or_summary(tmp_path):
         if line.startswith("rfedray_"):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
             assert not any(k.startswith("client") for k in labels), line
-            assert set(labels) <= {"run_id", "scheme", "dataset", "model", "le"}, line
+            assert set(labels) <= {"run_id", "scheme", "dataset", "model", "le", *INFO_LABELS.get(line.split("{")[0], ())}, line
     # metrics.jsonl and summary.json hold only run-level values: no per-client keys.
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     allowed = {"round", "cohort_size", "answered", "failed", "rejected", "epsilon_spent", "round_seconds",
