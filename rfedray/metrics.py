@@ -59,6 +59,9 @@ _GAUGES = {
     "rfedray_last_round_completed_timestamp_seconds": "Unix time at which the last round completed.",
     "rfedray_run_start_timestamp_seconds": "Unix time at which the run's metrics were created.",
     "rfedray_not_for_production": "1 when the privacy noise is seeded (reproducible, so not private in production), else 0.",
+    "rfedray_noise_calibrated": (
+        "1 when sigma was calibrated so that the run's last round reaches the target epsilon, 0 when it was given."
+    ),
     "rfedray_training_loss": "Loss of the global model after the last evaluated round.",
     "rfedray_test_accuracy": "Test accuracy of the global model after the last evaluated round.",
     "rfedray_optimality_gap": "Optimality gap F(theta) - F(theta*) of the global model after the last evaluated round.",
@@ -141,6 +144,11 @@ class RunMetrics:
     seeded : bool
         Whether the privacy noise comes from a fixed seed; exported as
         ``rfedray_not_for_production`` (1 when seeded).
+    noise_calibrated : bool
+        Whether sigma was calibrated to reach the target at the run's last round
+        (``rfedray_noise_calibrated``): such a run ends near its target by design.
+    version, config_digest : str
+        Labels of ``rfedray_run_info``.
 
     Raises
     ------
@@ -159,6 +167,7 @@ class RunMetrics:
         delta: float,
         sigma: Optional[float],
         seeded: bool,
+        noise_calibrated: bool = False,
         version: str = "unknown",
         config_digest: str = "unknown",
     ):
@@ -170,8 +179,9 @@ class RunMetrics:
             raise ValueError(f"delta={delta!r}: must be in the open interval (0, 1)")
         if sigma is not None and not (math.isfinite(sigma) and sigma > 0):
             raise ValueError(f"sigma={sigma!r}: must be None or a finite number > 0")
-        if not isinstance(seeded, bool):
-            raise ValueError(f"seeded={seeded!r}: must be True or False")
+        for name, flag in (("seeded", seeded), ("noise_calibrated", noise_calibrated)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}={flag!r}: must be True or False")
 
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels: dict[str, str] = values
@@ -200,6 +210,7 @@ class RunMetrics:
         self._child("rfedray_delta").set(delta)
         self._child("rfedray_halted").set(0)
         self._child("rfedray_not_for_production").set(1 if seeded else 0)
+        self._child("rfedray_noise_calibrated").set(1 if noise_calibrated else 0)
         self._child("rfedray_run_start_timestamp_seconds").set(time.time())
         self.set_state("running")
 

@@ -61,6 +61,7 @@ class MetricsObserver:
             run_id=run_id, scheme=cfg.aggregation.scheme, dataset=cfg.data.source, model=cfg.model.name,
             epsilon_target=cfg.privacy.epsilon if cfg.privacy.enabled else None,
             delta=cfg.privacy.delta, sigma=sigma, seeded=cfg.privacy.noise_seed is not None,
+            noise_calibrated=cfg.privacy.enabled and cfg.privacy.sigma is None,
             version=__version__, config_digest=config_digest(cfg),
         )
         self.port = self.metrics.start_server(cfg.monitoring.metrics_port, cfg.monitoring.metrics_host)

@@ -72,15 +72,20 @@ class PrometheusServer:
         Job label of the scraped series.
     startup_timeout : float
         Seconds to wait for ``/-/ready``.
+    config : dict, optional
+        A whole configuration to run instead of the one-target one (e.g. ``monitoring/prometheus.yml``
+        with its paths adapted); files it names relative to itself go in ``workdir``.
     """
 
-    def __init__(self, target: str, workdir: Path, *, job: str = "rfedray", startup_timeout: float = 30.0):
+    def __init__(self, target: str, workdir: Path, *, job: str = "rfedray", startup_timeout: float = 30.0,
+                 config: Optional[dict] = None):
         if ":" not in target:
             raise ValueError(f"target={target!r}: must be host:port")
         if startup_timeout <= 0:
             raise ValueError(f"startup_timeout={startup_timeout!r}: must be > 0")
         self.target = target
         self.job = job
+        self.config = config
         self.workdir = Path(workdir)
         self.startup_timeout = startup_timeout
         self.port: Optional[int] = None
@@ -92,7 +97,7 @@ class PrometheusServer:
         return f"http://127.0.0.1:{self.port}"
 
     def _write_config(self) -> Path:
-        config = {
+        config = self.config or {
             "global": {
                 "scrape_interval": f"{SCRAPE_INTERVAL_S}s",
                 "scrape_timeout": f"{SCRAPE_INTERVAL_S}s",

@@ -370,3 +370,33 @@ def test_readme_submits_the_same_run_as_the_rayjob():
     readme = README.read_text()
     for phrase in ("RAY_AUTH_MODE=token", "~/.ray/auth_token", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         assert phrase in readme, phrase
+
+
+# Field names of the Prometheus Operator's PodMonitor (monitoring.coreos.com/v1, podmonitor_types.go).
+PODMONITOR_SPEC_FIELDS = {
+    "jobLabel", "podTargetLabels", "podMetricsEndpoints", "selector", "namespaceSelector", "sampleLimit",
+    "targetLimit", "labelLimit", "labelNameLengthLimit", "labelValueLengthLimit", "attachMetadata",
+}
+POD_ENDPOINT_FIELDS = {
+    "port", "portNumber", "targetPort", "path", "scheme", "params", "interval", "scrapeTimeout", "honorLabels",
+    "honorTimestamps", "relabelings", "metricRelabelings", "enableHttp2", "filterRunning", "followRedirects",
+}
+
+
+def test_the_podmonitor_scrapes_every_ray_pod_and_the_run():
+    monitor = load(DEPLOY / "kuberay" / "podmonitor.yaml")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "PodMonitor"
+    spec = monitor["spec"]
+    assert set(spec) <= PODMONITOR_SPEC_FIELDS, set(spec) - PODMONITOR_SPEC_FIELDS
+    selected = spec["selector"]["matchLabels"]
+    for path in (RAYJOB, RAYCLUSTER):
+        doc = load(path)
+        cluster = doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+        groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+        for group in groups:  # every Ray pod is selected
+            assert selected.items() <= group["template"]["metadata"]["labels"].items(), path.name
+        named = {p["name"] for g in groups for c in _containers(g) for p in c.get("ports", [])}
+        ports = [endpoint["port"] for endpoint in spec["podMetricsEndpoints"]]
+        assert set(ports) == {"metrics", "rfedray-metrics"} and set(ports) <= named
+    for endpoint in spec["podMetricsEndpoints"]:
+        assert set(endpoint) <= POD_ENDPOINT_FIELDS, set(endpoint) - POD_ENDPOINT_FIELDS

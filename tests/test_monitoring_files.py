@@ -69,18 +69,26 @@ def test_rules_and_dashboard_use_only_exported_metrics():
 def test_the_required_alerts_exist():
     exprs = {r["alert"]: r["expr"] for r in rules()}
     assert "rfedray_epsilon_spent > 0.9 * rfedray_epsilon_target" in exprs["RfedrayPrivacyBudgetNearTarget"]
+    assert "rfedray_noise_calibrated == 0" in exprs["RfedrayPrivacyBudgetNearTarget"]
     assert "rfedray_halted == 1" in exprs["RfedrayRunHalted"]
     assert "rfedray_client_failures_total" in exprs["RfedrayClientFailureRate"]
     assert "rfedray_last_round_completed_timestamp_seconds" in exprs["RfedrayNoRoundCompleted"]
+    assert 'rfedray_run_info{state="running"}' in exprs["RfedrayRunDriverLost"]
     for rule in rules():
+        assert re.fullmatch(r"\d+[smh]", rule["for"]), rule["alert"]  # every rule says how long it waits
         assert rule["labels"]["severity"] in ("info", "warning", "critical")
-        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+        notes = rule["annotations"]
+        assert notes["summary"] and notes["description"] and len(notes["runbook"].split()) >= 15, rule["alert"]
 
 
-def _series(name: str, run: str, values: str) -> dict:
-    labels = dict(job="rfedray", instance="127.0.0.1:8000", run_id=run, scheme="projavg", dataset="d", model="m")
+def _series(name: str, run: str, values: str, **extra: str) -> dict:
+    labels = dict(job="rfedray", instance="127.0.0.1:8000", run_id=run, scheme="projavg", dataset="d", model="m", **extra)
     body = ",".join(f'{k}="{v}"' for k, v in labels.items())
     return {"series": f"{name}{{{body}}}", "values": values}
+
+
+def _info(run: str, state: str, values: str) -> dict:
+    return _series("rfedray_run_info", run, values, version="0.1.0", config_digest="0123456789abcdef", state=state)
 
 
 def _alert(run: str, severity: str) -> dict:
@@ -96,10 +104,21 @@ def test_every_alert_fires_when_it_should_and_only_then(tmp_path):
             rule.pop("annotations", None)
     (tmp_path / "rules.yml").write_text(yaml.safe_dump(stripped))
     budget = [
-        _series("rfedray_epsilon_spent", "b", "0.5 0.8 0.95 1.2"),
-        _series("rfedray_epsilon_target", "b", "1x3"),
+        _series("rfedray_epsilon_spent", "b", "0.5 0.8 0.95 0.95 1.2"),
+        _series("rfedray_epsilon_target", "b", "1x4"),
+        _series("rfedray_noise_calibrated", "b", "0x4"),  # sigma set by hand: it will halt early
+        # A normal run whose sigma was calibrated to end at its target: info, never a warning.
+        _series("rfedray_epsilon_spent", "c", "0.5 0.8 0.95 0.99 0.99"),
+        _series("rfedray_epsilon_target", "c", "1x4"),
+        _series("rfedray_noise_calibrated", "c", "1x4"),
     ]
     halted = [_series("rfedray_halted", "h", "0 0 1")]
+    lost = [
+        _info("dead", "running", "1 1 1 1 stale"),   # its endpoint vanished while running
+        _info("done", "running", "1 1 1 stale"),     # finished: its last state was scraped
+        _info("done", "finished", "_ _ _ 1 1 stale"),
+        _info("alive", "running", "1x9"),
+    ]
     failures = [
         _series("rfedray_client_failures_total", "ok", "0+1x30"),
         _series("rfedray_clients_selected_total", "ok", "0+10x30"),
@@ -121,9 +140,17 @@ def test_every_alert_fires_when_it_should_and_only_then(tmp_path):
         "tests": [
             {"interval": "1m", "input_series": budget, "alert_rule_test": [
                 {"eval_time": "1m", "alertname": "RfedrayPrivacyBudgetNearTarget", "exp_alerts": []},
-                {"eval_time": "2m", "alertname": "RfedrayPrivacyBudgetNearTarget", "exp_alerts": [_alert("b", "warning")]},
-                {"eval_time": "2m", "alertname": "RfedrayPrivacyBudgetExceeded", "exp_alerts": []},
-                {"eval_time": "3m", "alertname": "RfedrayPrivacyBudgetExceeded", "exp_alerts": [_alert("b", "critical")]},
+                {"eval_time": "2m", "alertname": "RfedrayPrivacyBudgetNearTarget", "exp_alerts": []},  # for: 1m
+                {"eval_time": "3m", "alertname": "RfedrayPrivacyBudgetNearTarget", "exp_alerts": [_alert("b", "warning")]},
+                {"eval_time": "4m", "alertname": "RfedrayPrivacyBudgetMostlySpent", "exp_alerts": [_alert("c", "info")]},
+                {"eval_time": "3m", "alertname": "RfedrayPrivacyBudgetExceeded", "exp_alerts": []},
+                {"eval_time": "4m", "alertname": "RfedrayPrivacyBudgetExceeded", "exp_alerts": [_alert("b", "critical")]},
+            ]},
+            {"interval": "1m", "input_series": lost, "alert_rule_test": [
+                {"eval_time": "3m", "alertname": "RfedrayRunDriverLost", "exp_alerts": []},
+                {"eval_time": "4m", "alertname": "RfedrayRunDriverLost", "exp_alerts": []},  # gone at 4m; for: 1m
+                {"eval_time": "6m", "alertname": "RfedrayRunDriverLost", "exp_alerts": [
+                    {"exp_labels": dict(job="rfedray", instance="127.0.0.1:8000", run_id="dead", severity="critical")}]},
             ]},
             {"interval": "1m", "input_series": halted, "alert_rule_test": [
                 {"eval_time": "1m", "alertname": "RfedrayRunHalted", "exp_alerts": []},
@@ -143,16 +170,16 @@ def test_every_alert_fires_when_it_should_and_only_then(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_prometheus_yml_scrapes_a_local_run_and_the_cluster_head():
+def test_prometheus_yml_scrapes_the_run_and_every_ray_node():
     config = yaml.safe_load(PROMETHEUS_YML.read_text())
     assert config["rule_files"] == ["alerts.yml"]
-    targets = {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
-               for job in config["scrape_configs"]}
-    assert targets["rfedray-local"] == ["127.0.0.1:8000"]
-    assert targets["rfedray-cluster"] == ["RAY_HEAD_IP:8000"]
-    assert targets["ray-head"] == ["RAY_HEAD_IP:8080"]
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"rfedray", "ray"}
+    assert [t for sc in jobs["rfedray"]["static_configs"] for t in sc["targets"]] == ["127.0.0.1:8000"]
+    (discovery,) = jobs["ray"]["file_sd_configs"]
+    assert discovery["files"] == ["/tmp/ray/prom_metrics_service_discovery.json"]
     readme = README.read_text()
-    assert "RAY_HEAD_IP" in readme and "ray get-head-ip" in readme
+    assert "file_sd_configs" in readme and "RAY_HEAD_IP" not in readme
 
 
 def test_dashboard_shows_what_a_run_needs():
