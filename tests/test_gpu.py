@@ -22,7 +22,7 @@ import torch
 
 from rfedray.cuda import cuda_report
 from rfedray.geometry import ProductManifold
-from rfedray.privacy.mechanism import private_gradient_with_noise, standard_noise
+from rfedray.privacy.mechanism import noise_generator, private_gradient_with_noise, standard_noise
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -45,7 +45,7 @@ def test_the_private_step_on_cuda_equals_the_cpu(case):
     built = build(torch.float64, batch, generator)
     model, product = built.model, ProductManifold(built.model.groups)
     params = model.init_params(generator)
-    noise = standard_noise(product, params, generator)
+    noise = standard_noise(product, params, noise_generator(0))
 
     def step(device):
         on = {g: v.to(device) for g, v in params.items()}

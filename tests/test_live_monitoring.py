@@ -1,6 +1,6 @@
 """Issue 18: live monitoring as a person sees it: Prometheus's graph page in a real browser, mid-run (slow).
 
-A private SPDNet run (synthetic EEG, seeded, epsilon 20; its accuracy climbs from about 0.78 to 0.95
+A private SPDNet run (synthetic EEG, seeded, epsilon 20; its accuracy climbs from about 0.75 to 0.97
 in 30 rounds) exports its metrics; a real Prometheus (Debian's) scrapes them every second; headless
 Chromium (Debian's) opens Prometheus's graph page for ``rfedray_epsilon_spent`` and
 ``rfedray_test_accuracy`` twice while the run goes on. Between the two screenshots the values, read
