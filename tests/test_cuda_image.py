@@ -106,7 +106,7 @@ def test_the_gpu_nodes_drivers_run_the_image():
     driver = re.search(r"-nvidia-(\d+)$", family)
     assert driver and int(driver.group(1)) >= needed, family  # the Deep Learning VM family names its driver
     aws = yaml.safe_load((ROOT / "deploy" / "aws.yaml").read_text())["available_node_types"]["worker_gpu"]
-    assert aws["node_config"]["ImageId"] == f"resolve:ssm:{AWS_GPU_AMI}latest/ami-id"  # driver 580+ since 2025-12
+    assert aws["node_config"]["ImageId"] == f"resolve:ssm:{AWS_GPU_AMI}latest/ami-id"  # drivers 580+ in its recent releases
     for path in CLUSTER_CONFIGS:  # a worker whose driver is older fails its set-up, naming both versions
         assert yaml.safe_load(path.read_text())["worker_setup_commands"] == ["python -m rfedray.cuda"]
 

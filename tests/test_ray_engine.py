@@ -51,8 +51,20 @@ def run_engine(tmp_path, name, *overrides, engine="ray", observers=None):
 
 
 def start_test_ray(**kwargs):
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,
-             log_to_driver=False, logging_level=logging.WARNING, **kwargs)
+    """A local Ray instance of 2 CPUs for this process (never another process's cluster).
+
+    Ray gives a node 30 s to register; on a 2-core machine loaded by other jobs that can pass, so a
+    start that times out is tried once more.
+    """
+    for attempt in (1, 2):
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,
+                     log_to_driver=False, logging_level=logging.WARNING, **kwargs)
+            return
+        except Exception as exc:  # Ray raises a bare Exception for this
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
 
 
 @pytest.fixture(scope="module", autouse=True)
