@@ -1,4 +1,5 @@
-"""Shared test set-up: one torch thread per process, and no Ray connection left between modules.
+"""Shared test set-up: one torch thread per process, no Ray connection left between modules, and
+tests marked ``gpu`` skipped with the reason on a machine where torch cannot use CUDA.
 
 On 2-core machines shared with Ray workers and other processes, two torch threads per process
 made small linear algebra 5-50x slower; every test module runs with one thread.
@@ -10,6 +11,18 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` (``pytest -m gpu``) skip, saying why, where torch cannot use CUDA."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_tests or torch.cuda.is_available():
+        return
+    from rfedray.cuda import cuda_report
+
+    skip = pytest.mark.skip(reason=f"needs a CUDA device torch can use: {cuda_report()}")
+    for item in gpu_tests:
+        item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True, scope="module")

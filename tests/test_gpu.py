@@ -2,9 +2,9 @@
 16 clients packed on one GPU.
 
 ``pytest -m gpu`` collects them (the default run leaves them out); on a machine where torch cannot
-use CUDA each one is skipped with the reason (torch's build and the driver, from
-:func:`rfedray.cuda.cuda_report`). ``scripts/gpu_checks.sh`` runs them and the GPU benchmark
-(``benchmarks/gpu_suite.py``) in under 5 minutes.
+use CUDA, ``tests/conftest.py`` skips each one with the reason (torch's build and the driver, from
+:func:`rfedray.cuda.cuda_report`). ``scripts/gpu_checks.sh`` runs every ``gpu`` test and the GPU
+benchmark (``benchmarks/gpu_suite.py``) in under 5 minutes.
 
 Tolerances: the private step is compared in float64 with the same standard noise (drawn on the CPU,
 moved to the GPU): CUDA and CPU kernels sum in different orders, so they agree to rounding, stated
@@ -20,7 +20,6 @@ import pytest
 import ray
 import torch
 
-from rfedray.cuda import cuda_report
 from rfedray.geometry import ProductManifold
 from rfedray.privacy.mechanism import noise_generator, private_gradient_with_noise, standard_noise
 
@@ -29,10 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_eeg_step import CASES  # noqa: E402  (benchmarks/ is not a package)
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason=f"needs a CUDA device torch can use: {cuda_report()}"),
-]
+pytestmark = pytest.mark.gpu  # skipped with the reason where torch cannot use CUDA (conftest.py)
 
 STEP_RTOL = 1e-9
 PACKED_RTOL = 1e-4
