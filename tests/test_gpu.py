@@ -20,13 +20,22 @@ import pytest
 import ray
 import torch
 
+# Everything imported here, at the top: every test run collects this module before leaving its tests
+# out, so a renamed function the GPU tests use fails there, not first on a GPU machine.
+from actors.engine import ray_executor
+from rfedray.config import load_config
+from rfedray.federated.executor import LocalExecutor
+from rfedray.federated.loop import Federation
+from rfedray.federated.rundir import RunDirectory
+from rfedray.federated.setup import initial_params, local_plan
 from rfedray.geometry import ProductManifold
 from rfedray.privacy.mechanism import noise_generator, private_gradient_with_noise, standard_noise
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_eeg_step import CASES  # noqa: E402  (benchmarks/ is not a package)
+from bench_batched import _on_device  # noqa: E402  (benchmarks/ is not a package; each client's records on the device)
+from bench_eeg_step import CASES  # noqa: E402
 
 pytestmark = pytest.mark.gpu  # skipped with the reason where torch cannot use CUDA (conftest.py)
 
@@ -56,14 +65,6 @@ def test_the_private_step_on_cuda_equals_the_cpu(case):
 
 
 def test_sixteen_clients_packed_on_one_gpu_train_like_one_by_one(tmp_path):
-    from bench_batched import _on_device  # the benchmark's dataset wrapper: each client's records on the device
-
-    from rfedray.config import load_config
-    from rfedray.federated.executor import LocalExecutor
-    from rfedray.federated.loop import Federation
-    from rfedray.federated.rundir import RunDirectory
-    from rfedray.federated.setup import initial_params, local_plan
-
     cfg = load_config(None, [
         "federation.n_clients=16", "federation.clients_per_round=16", "federation.local_steps=3",
         "federation.batch_size=50", "data.options.d=40", "data.options.p=4", "data.options.records_per_client=500",
@@ -92,11 +93,6 @@ def local_ray_with_the_gpu():
 
 
 def test_client_actors_share_the_gpu_and_train_on_it(tmp_path, local_ray_with_the_gpu):
-    from actors.driver import ray_executor
-    from rfedray.config import load_config
-    from rfedray.federated.loop import Federation
-    from rfedray.federated.rundir import RunDirectory
-
     cfg = load_config(None, [
         "run.engine=ray", "run.rounds=3", f"run.output_dir={tmp_path}", "monitoring.progress=false",
         "federation.n_clients=16", "federation.clients_per_round=8", "ray.num_client_actors=4",
