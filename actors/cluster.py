@@ -334,12 +334,14 @@ class ClusterWait:
     def progress(self, missing: int) -> str:
         """One line: how many of the actors' bundles are missing, and the nodes there are for them."""
         shape = ClusterShape.discover() if self.shape.autoscaling else self.shape
-        kind = "GPU" if "GPU" in self.bundle else "CPU"
-        up = shape.nodes_up(self.bundle) if self.bundle else len(shape.live)
         starting = f", {shape.pending} starting" if shape.pending else ""
-        return (f"waiting for {missing} of {self.count} client actors' {kind} bundles "
-                f"{describe_bundle(self.bundle)}: {up} node(s) for them up{starting} "
-                f"({self.timeout_s - self.remaining():.0f} s of ray.actor_start_timeout_s={self.timeout_s:g})")
+        waited = f"({self.timeout_s - self.remaining():.0f} s of ray.actor_start_timeout_s={self.timeout_s:g})"
+        if not self.bundle:  # actors that ask for no resource: any node hosts them
+            return (f"waiting for {missing} of {self.count} client actors to start: "
+                    f"{len(shape.live)} node(s) up{starting} {waited}")
+        kind = "GPU" if "GPU" in self.bundle else "CPU"
+        return (f"waiting for {missing} of {self.count} client actors' {kind} bundles {describe_bundle(self.bundle)}: "
+                f"{shape.nodes_up(self.bundle)} node(s) for them up{starting} {waited}")
 
     def gather(self, refs: Sequence[ray.ObjectRef], what: str, bundles_per_ref: int = 1) -> list:
         """The values of ``refs``, waiting for them until the deadline and logging progress meanwhile.

@@ -132,3 +132,13 @@ def test_waiting_for_the_cluster_says_what_it_waits_for_and_stops_at_the_deadlin
     assert "The cluster: 1 live node(s) {CPU: 2, GPU: 1}" in message and "\n" not in message
     notes = [r.getMessage() for r in caplog.records if r.name == "actors.cluster"]
     assert len(notes) >= 2 and all(n.startswith("waiting for 2 of 2 client actors' GPU bundles") for n in notes)
+
+
+def test_the_progress_line_names_the_bundles_or_says_the_actors_ask_for_none():
+    fixed = ClusterShape.fixed([{"CPU": 2.0, "GPU": 1.0}, {"CPU": 2.0}])
+    gpu = cluster.ClusterWait(cfg("ray.num_gpus_per_actor=0.5", "ray.actor_start_timeout_s=60"), 4, fixed)
+    assert gpu.progress(3) == ("waiting for 3 of 4 client actors' GPU bundles {CPU: 1, GPU: 0.5}: 1 node(s) for "
+                               "them up (0 s of ray.actor_start_timeout_s=60)")
+    free = cluster.ClusterWait(cfg("ray.num_cpus_per_actor=0", "ray.actor_start_timeout_s=60"), 2, fixed)
+    assert free.progress(2) == ("waiting for 2 of 2 client actors to start: 2 node(s) up "
+                                "(0 s of ray.actor_start_timeout_s=60)")
