@@ -68,7 +68,7 @@ def test_sixteen_clients_packed_on_one_gpu_train_like_one_by_one(tmp_path):
     cfg = load_config(None, [
         "federation.n_clients=16", "federation.clients_per_round=16", "federation.local_steps=3",
         "federation.batch_size=50", "data.options.d=40", "data.options.p=4", "data.options.records_per_client=500",
-        "privacy.noise_seed=0", "privacy.sigma=0.5", "privacy.epsilon=null", "privacy.accountant=clt",
+        "privacy.noise_seed=0", "privacy.sigma=0.5", "privacy.epsilon=null",
         f"run.output_dir={tmp_path}",
     ])
     fed = Federation.prepare(cfg, RunDirectory.create(str(tmp_path), "packed"))
