@@ -18,14 +18,14 @@ from __future__ import annotations
 import json
 import uuid
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rfedray.errors import RfedrayError
-from rfedray.federated.rundir import atomic_write_json
+from rfedray.federated.budget import BudgetFiles
+from rfedray.federated.rundir import RunDirectory
 from rfedray.privacy.ledger import Authorization, PrivacyLedger
 
 
@@ -39,7 +39,9 @@ def user_errors_as_rfedray_errors() -> Iterator[None]:
     try:
         yield
     except RfedrayError as exc:
-        raise RfedrayError(str(exc)) from None
+        plain = RfedrayError(str(exc))
+        plain.exit_code = exc.exit_code  # an instance attribute: it travels with the pickle
+        raise plain from None
 
 
 class AccountantActor:
@@ -52,25 +54,30 @@ class AccountantActor:
     fingerprint : dict
         What the accounting depends on (see :func:`rfedray.federated.resume.accounting_fingerprint`);
         written with the ledger, and a ``budget.json`` with another one is not loaded.
-    budget_path : str
-        The run directory's ``budget.json``.
+    run_dir : str
+        The run directory (its ``budget.json`` is the ledger's file).
+    writer_token : str
+        The token of the driver's lock on the run directory: the actor writes under it.
     """
 
-    def __init__(self, ledger: PrivacyLedger, fingerprint: dict, budget_path: str):
-        self._ledger, self._fingerprint, self._path = ledger, fingerprint, Path(budget_path)
+    def __init__(self, ledger: PrivacyLedger, fingerprint: dict, run_dir: str, writer_token: str):
+        self._ledger = ledger
+        self._files = BudgetFiles(RunDirectory(run_dir, writer_token), fingerprint)
         self._last: Optional[dict] = None
-        if self._path.is_file():
-            saved = json.loads(self._path.read_text())
+        if self._files.run_dir.is_file("budget.json"):
+            saved = json.loads(self._files.run_dir.read_bytes("budget.json"))
             if saved.get("fingerprint") == fingerprint:
                 self._ledger.load_state_dict(saved["ledger"])
                 self._last = saved.get("request")
 
-    def authorize(self, cohort: Sequence[int], request: str) -> Authorization:
+    def authorize(self, cohort: Sequence[int], round_index: Optional[int], request: str) -> Authorization:
         """Charge the cohort (see :meth:`PrivacyLedger.authorize`) and persist before returning.
 
         Parameters
         ----------
         cohort : sequence of int
+        round_index : int or None
+            The round the charge is for (written to the charge log).
         request : str
             Unique per round; a repeated request is answered without charging again.
         """
@@ -80,8 +87,7 @@ class AccountantActor:
             auth = self._ledger.authorize(cohort)
         if auth.granted:
             self._last = {"id": request, "granted": True, "reason": auth.reason, "epsilon_after": auth.epsilon_after}
-            state = {"fingerprint": self._fingerprint, "ledger": self._ledger.state_dict(), "request": self._last}
-            atomic_write_json(self._path, state)
+            self._files.commit(self._ledger.state_dict(), round_index, cohort, auth.epsilon_after, {"request": self._last})
         return auth
 
     def epsilon_spent(self) -> float:
@@ -95,13 +101,13 @@ class AccountantActor:
             self._ledger.load_state_dict(state)
 
 
-def start_accountant(ledger: PrivacyLedger, fingerprint: dict, budget_path: Path):
+def start_accountant(ledger: PrivacyLedger, fingerprint: dict, run_dir: RunDirectory):
     """The accountant actor, pinned to this (the driver's) node and restarted whenever it dies."""
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     actor_cls = ray.remote(AccountantActor).options(
         num_cpus=0, max_restarts=-1, max_task_retries=-1, scheduling_strategy=here,
     )
-    return actor_cls.remote(ledger, fingerprint, str(budget_path))
+    return actor_cls.remote(ledger, fingerprint, str(run_dir.path), run_dir.writer_token)
 
 
 class RemoteLedger:
@@ -127,8 +133,8 @@ class RemoteLedger:
                 "directory keeps every charge: continue with rfedray run --resume RUN_DIR"
             ) from None
 
-    def authorize(self, cohort: Sequence[int]) -> Authorization:
-        return self._call("authorize", [int(c) for c in cohort], uuid.uuid4().hex)
+    def authorize(self, cohort: Sequence[int], round_index: Optional[int] = None) -> Authorization:
+        return self._call("authorize", [int(c) for c in cohort], round_index, uuid.uuid4().hex)
 
     def epsilon_spent(self) -> float:
         return self._call("epsilon_spent")

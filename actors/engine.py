@@ -83,7 +83,7 @@ class RayExecutor:
         ledger = fed.make_ledger()
         if ledger is not None:
             fingerprint = accounting_fingerprint(cfg, fed.privacy, fed.sizes)
-            self.accountant = start_accountant(ledger, fingerprint, fed.run_dir.budget)
+            self.accountant = start_accountant(ledger, fingerprint, fed.run_dir)
             try:
                 ray.get(self.accountant.epsilon_spent.remote(), timeout=ACCOUNTANT_START_TIMEOUT_S)
             except ray.exceptions.RayError as exc:

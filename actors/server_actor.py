@@ -33,7 +33,7 @@ from actors.accountant_actor import user_errors_as_rfedray_errors
 from actors.engine import ray_executor
 from rfedray.config import Config
 from rfedray.federated.loop import Federation
-from rfedray.federated.rundir import RunDirectory, atomic_write_json
+from rfedray.federated.rundir import RunDirectory
 from rfedray.observers import attach_metrics
 
 SERVER_NAMESPACE = "rfedray"
@@ -68,13 +68,15 @@ class ServerActor:
     cfg : Config
     run_dir : str
         The run directory, on this (the driver's) node.
+    writer_token : str
+        The token of the driver's lock on it (see :class:`rfedray.federated.rundir.RunLock`).
     cwd : str
         The driver's working directory.
     """
 
-    def __init__(self, cfg: Config, run_dir: str, cwd: str):
+    def __init__(self, cfg: Config, run_dir: str, writer_token: str, cwd: str):
         os.chdir(cwd)
-        self.cfg, self.run_dir = cfg, RunDirectory(run_dir)
+        self.cfg, self.run_dir = cfg, RunDirectory(run_dir, writer_token)
         self.records: list[dict] = []
         self.relay = WarningRelay()
         for name in RELAYED_LOGGERS:
@@ -109,7 +111,7 @@ class ServerActor:
         (A run that fails before its first round leaves the run directory as it was.)
         """
         if not self.records:
-            atomic_write_json(self.run_dir.path / "placement.json", self.placement)
+            self.run_dir.write_json("placement.json", self.placement)
         self.records.append({k: v for k, v in record.items() if not isinstance(v, list)})
 
     def on_finish(self, summary: dict) -> None:
@@ -127,4 +129,4 @@ def start_server(cfg: Config, run_dir: RunDirectory):
         name=f"server-{run_dir.run_id}", namespace=SERVER_NAMESPACE, num_cpus=0, max_concurrency=2,
         max_restarts=0, scheduling_strategy=here,
     )
-    return actor_cls.remote(cfg, str(run_dir.path), os.getcwd())
+    return actor_cls.remote(cfg, str(run_dir.path), run_dir.writer_token, os.getcwd())

@@ -7,6 +7,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Optional
 
 import ray
@@ -18,6 +21,8 @@ LOCAL_OBJECT_STORE_BYTES = 200 * 1024**2
 """Object store of a Ray instance the driver starts itself (it holds one theta_t per round)."""
 
 CONNECT_TIMEOUT_S = 5.0
+REAPER_WAIT_S = 5.0
+"""How long closing a local Ray instance waits for the reaper (:mod:`actors.reaper`) to finish."""
 
 
 def _reachable(host: str, port: int) -> Optional[str]:
@@ -38,8 +43,8 @@ class RaySession:
         Whether :meth:`open` started the Ray instance.
     """
 
-    def __init__(self, started: bool):
-        self.started = started
+    def __init__(self, started: bool, reaper: Optional[subprocess.Popen] = None):
+        self.started, self.reaper = started, reaper
 
     @classmethod
     def open(cls, address: Optional[str]) -> "RaySession":
@@ -56,11 +61,18 @@ class RaySession:
         if address is None and os.environ.get("RAY_ADDRESS"):
             address, label = os.environ["RAY_ADDRESS"], "ray.address (from RAY_ADDRESS)"
         if address is None:
-            ray.init(
-                address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                log_to_driver=False, logging_level=logging.WARNING,
-            )
-            return cls(started=True)
+            # The Ray processes this driver starts end with it, even when it is killed.
+            reaper = subprocess.Popen([sys.executable, "-m", "actors.reaper", str(os.getpid())], stdin=subprocess.PIPE,
+                                      cwd=Path(__file__).resolve().parents[1])
+            try:
+                ray.init(
+                    address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                    log_to_driver=False, logging_level=logging.WARNING,
+                )
+            except BaseException:
+                reaper.stdin.close()
+                raise
+            return cls(started=True, reaper=reaper)
         if address.startswith("ray://"):
             raise ConfigError(label, address, "Ray Client addresses are not supported: run rfedray on a node of the "
                               "cluster (ray.address=auto or the head's HOST:PORT)")
@@ -78,8 +90,17 @@ class RaySession:
         return cls(started=False)
 
     def close(self) -> None:
-        if self.started and ray.is_initialized():
-            ray.shutdown()
+        try:
+            if self.started and ray.is_initialized():
+                ray.shutdown()
+        finally:
+            if self.reaper is not None:
+                self.reaper.stdin.close()  # the reaper ends whatever Ray left running
+                try:
+                    self.reaper.wait(timeout=REAPER_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    pass
+                self.reaper = None
 
 
 def check_ray_config(cfg: Config) -> None:

@@ -15,9 +15,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import shutil
+import signal
 import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
 from rfedray.errors import RfedrayError
@@ -38,17 +37,15 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume_config(args: argparse.Namespace):
-    from rfedray.config import load_config, split_items
+def _resume_config(args: argparse.Namespace, run_dir):
+    from rfedray.config import load_config_text, split_items
 
-    run_dir = Path(args.resume)
-    saved = run_dir / "config.yaml"
-    if not saved.is_file():
-        raise RfedrayError(f"--resume {run_dir}: not a run directory (no config.yaml there)")
+    if not run_dir.is_file("config.yaml"):
+        raise RfedrayError(f"--resume {run_dir.path}: not a run directory (no config.yaml there)")
     path, overrides = split_items(args.items)
     if path is not None:
         raise RfedrayError("--resume: give key=value overrides only; the config is the run directory's config.yaml")
-    return load_config(saved, overrides)
+    return load_config_text(run_dir.read_bytes("config.yaml"), str(run_dir.config), overrides)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -58,24 +55,33 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     extra = [f"run.engine={args.engine}"] if args.engine else []
     if args.resume:
-        cfg = _resume_config(args)
+        run_dir = RunDirectory(args.resume)
+        cfg = _resume_config(args, run_dir)
         if args.engine:
             cfg.run.engine = args.engine
-        run_dir = RunDirectory(args.resume)
     else:
         cfg = load_items(args.items, extra)
         run_dir = RunDirectory.create(cfg.run.output_dir, new_run_id(cfg.run.name))
     print(run_dir.path, flush=True)
+    args.run_dir = run_dir.path
     try:
         summary = run(cfg, run_dir, quiet=args.quiet, resume=bool(args.resume))
     except RfedrayError:
-        if not args.resume and not run_dir.metrics.exists() and not run_dir.budget.exists():
-            # Refused before any round was charged: leave no empty run directory behind.
-            shutil.rmtree(run_dir.path, ignore_errors=True)
+        if not args.resume and not run_dir.exists("checkpoint.pt"):
+            # Refused before the run's first checkpoint (nothing charged): leave no empty run directory behind.
+            run_dir.remove_all()
         raise
     if summary.get("halted"):
         print(f"halted: {summary['halt_reason']}", file=sys.stderr)
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is: the run stops where it is, Ray is shut down, exit status 143."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
 
 
 class _CurrentStderrHandler(logging.StreamHandler):
@@ -141,14 +147,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if extra:
         args.items = [*args.items, *extra]
     _configure_logging(logging.DEBUG if args.verbose else logging.WARNING)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args.func(args) or 0)
     except RfedrayError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("interrupted: the run directory keeps the last checkpoint; continue with --resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        what, code = ("terminated (SIGTERM)", 128 + signal.SIGTERM) if isinstance(exc, Terminated) else ("interrupted", 130)
+        run_dir = getattr(args, "run_dir", None)
+        if run_dir is None:
+            print(what, file=sys.stderr)
+        else:
+            print(f"{what}: the run directory keeps the last checkpoint and every charge; continue with "
+                  f"rfedray run --resume {run_dir}", file=sys.stderr)
+        return code
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
@@ -38,6 +39,9 @@ OPTIMIZERS = ("rsgd", "sgd", "adam")
 SCHEDULES = ("constant", "step", "cosine")
 PLACEMENTS = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
 DEVICES = ("auto", "cpu", "cuda")
+MAX_SEED = 2**32 - 1
+MAX_CLIENTS = 100_000
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
 @dataclass
@@ -177,17 +181,27 @@ def _all_keys(dc: Any, prefix: str = "") -> list[str]:
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError("config", str(path), "config file not found")
+    return _parse_yaml(path.read_bytes(), str(path))
+
+
+def _parse_yaml(raw: bytes, where: str) -> dict:
+    """The mapping of a YAML config's bytes (``where`` names the file in errors)."""
     try:
-        data = yaml.safe_load(path.read_text())
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError("config", where, f"is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                          "save it as UTF-8") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError("config", str(path), f"YAML syntax error{where}: {problem}") from None
+        raise ConfigError("config", where, f"YAML syntax error{at}: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError("config", str(path), "must be a YAML mapping of sections")
+        raise ConfigError("config", where, "must be a YAML mapping of sections")
     return data
 
 
@@ -211,6 +225,11 @@ def _check_unknown_keys(data: dict, schema: Any, prefix: str = "") -> None:
 
 def _dotlist_to_dict(overrides: list[str]) -> dict:
     for item in overrides:
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError("override", item.encode("utf-8", "surrogateescape"),
+                              "is not UTF-8 text; write overrides in UTF-8") from None
         if "=" not in item:
             raise ConfigError("override", item, "overrides are written key=value, e.g. federation.clients_per_round=20")
     try:
@@ -272,6 +291,14 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[li
     return config_from_dict(read_layers(path, overrides))
 
 
+def load_config_text(raw: bytes, where: str, overrides: Optional[list[str]] = None) -> Config:
+    """:func:`load_config` of a config file's bytes read elsewhere (a run directory in object storage)."""
+    data = _parse_yaml(raw, where)
+    if overrides:
+        data = _deep_merge(data, _dotlist_to_dict(overrides))
+    return config_from_dict(data)
+
+
 def config_from_dict(data: dict) -> Config:
     """Merge a plain nested dict onto the defaults, type-check it and validate it."""
     cfg: Config = structured(Config, data)
@@ -331,12 +358,18 @@ def validate(cfg: Config) -> None:
     _positive_int("run.evaluate_every", r.evaluate_every)
     if r.threads is not None:
         _positive_int("run.threads", r.threads)
-    if r.seed < 0:
-        raise ConfigError("run.seed", r.seed, "must be an integer >= 0")
+    if not 0 <= r.seed <= MAX_SEED:
+        raise ConfigError("run.seed", r.seed, f"must be an integer in [0, {MAX_SEED}]")
+    if not isinstance(r.name, str) or not RUN_NAME.match(r.name):
+        raise ConfigError("run.name", r.name, "must be a plain name of letters, digits, '.', '_' or '-' (at most 100, "
+                          "not starting with '.' or '-'); it names the run's directory inside run.output_dir")
     if not r.output_dir:
         raise ConfigError("run.output_dir", r.output_dir, "must be a non-empty path")
 
     _positive_int("federation.n_clients", fed.n_clients)
+    if fed.n_clients > MAX_CLIENTS:
+        raise ConfigError("federation.n_clients", fed.n_clients,
+                          f"must be at most {MAX_CLIENTS} (every round rewrites each client's budget in budget.json)")
     _positive_int("federation.clients_per_round", fed.clients_per_round)
     if fed.clients_per_round > fed.n_clients:
         raise ConfigError(

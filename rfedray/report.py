@@ -6,33 +6,46 @@ Written at the end of every run and on demand by ``rfedray report RUN_DIR``.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 from pathlib import Path
 
 from rfedray.errors import RfedrayError
+from rfedray.federated.rundir import RunDirectory
 
 PRIMARY = ("accuracy", "gap", "loss", "distance")
 
 
-def _rounds(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise RfedrayError(f"report {run_dir}: no metrics.jsonl there; is it a run directory?")
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "event" not in r]
+def _rounds(run_dir: RunDirectory) -> list[dict]:
+    if not run_dir.is_file("metrics.jsonl"):
+        raise RfedrayError(f"report {run_dir.path}: no metrics.jsonl there; is it a run directory?")
+    return [r for r in run_dir.read_metrics(tolerant=True) if "event" not in r]
 
 
-def write_plots(run_dir: str | Path) -> list[Path]:
-    """``utility.png`` (each metric against the round) and ``epsilon.png`` (budget against round)."""
+def _save(fig, run_dir: RunDirectory, name: str) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    run_dir.write_bytes(name, buffer.getvalue())
+    return str(run_dir.store.where(name))
+
+
+def write_plots(run_dir: "str | Path | RunDirectory") -> list[str]:
+    """``utility.png`` (each metric against the round) and ``epsilon.png`` (budget against round).
+
+    ``run_dir`` may be a folder, an object-storage URL or a :class:`RunDirectory` (whose writer
+    token is then used).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
+    if not isinstance(run_dir, RunDirectory):
+        run_dir = RunDirectory(run_dir)
     records = _rounds(run_dir)
     if not records:
         return []
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    summary = json.loads(run_dir.read_bytes("summary.json")) if run_dir.is_file("summary.json") else {}
     rounds = [r["round"] + 1 for r in records]
     names = [m for m in PRIMARY if f"metric_{m}" in records[-1]]
     written = []
@@ -46,10 +59,9 @@ def write_plots(run_dir: str | Path) -> list[Path]:
             ax.set_xlabel("round")
             ax.set_ylabel(name)
             ax.grid(alpha=0.3)
-        fig.suptitle(f"{run_dir.name}", fontsize=9)
+        fig.suptitle(f"{run_dir.run_id}", fontsize=9)
         fig.tight_layout()
-        written.append(run_dir / "utility.png")
-        fig.savefig(written[-1], dpi=110)
+        written.append(_save(fig, run_dir, "utility.png"))
         plt.close(fig)
     eps = [r["epsilon_spent"] for r in records]
     if any(e is not None for e in eps):
@@ -63,8 +75,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        written.append(run_dir / "epsilon.png")
-        fig.savefig(written[-1], dpi=110)
+        written.append(_save(fig, run_dir, "epsilon.png"))
         plt.close(fig)
     return written
 

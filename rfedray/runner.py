@@ -7,43 +7,67 @@ distributes the clients over client actors, while this process shows the progres
 
 from __future__ import annotations
 
+import logging
 from contextlib import ExitStack
 
 from rfedray.config import Config
+from rfedray.errors import RfedrayError
 from rfedray.federated.rundir import RunDirectory
+from rfedray.federated.storage import describe_holder
 from rfedray.observers import ProgressObserver, attach_metrics
+
+log = logging.getLogger(__name__)
 
 
 def run(cfg: Config, run_dir: RunDirectory, *, quiet: bool = False, resume: bool = False) -> dict:
-    """Run ``cfg`` into ``run_dir`` on the configured engine, write the plots, return the summary."""
+    """Run ``cfg`` into ``run_dir`` on the configured engine, write the plots, return the summary.
+
+    This process (the driver) holds the run directory's lock for the whole run: a second
+    ``rfedray run --resume`` of the same directory is refused, naming this one. The run's
+    writers (here, or the Ray server and accountant actors) write under the lock's token.
+
+    Raises
+    ------
+    RfedrayError
+        A user error, a busy run directory, or a write that failed (exit status 1).
+    """
+    from rfedray.federated.loop import Federation
     from rfedray.report import write_plots
 
-    observers = [ProgressObserver(cfg, quiet)]
-    if cfg.run.engine == "ray":
-        from actors.driver import run_on_ray
-        from rfedray.federated.loop import Federation
-
-        # Refuse bad data and privacy settings here, before Ray starts (the server builds the
-        # federation again on its side).
+    with run_dir.lock() as lock:
+        # Refuse bad data, privacy settings and run directories here, before anything is written
+        # (and, on the Ray engine, before Ray starts: the server builds the federation again).
         fed = Federation.prepare(cfg, run_dir)
         if resume:
             fed.check_resume()
-        summary = run_on_ray(cfg, run_dir, observers, resume=resume)
-    else:
-        summary = run_local(cfg, run_dir, observers, resume=resume)
-    write_plots(run_dir.path)
+        if lock.previous_holder_died():
+            log.warning("%s: the previous rfedray process (%s) ended without releasing the run directory; continuing "
+                        "from its checkpoint and budget", run_dir.path, describe_holder(lock.previous))
+        run_dir.announce(lock, "rfedray run --resume" if resume else "rfedray run")
+        observers = [ProgressObserver(cfg, quiet)]
+        if cfg.run.engine == "ray":
+            from actors.driver import run_on_ray
+
+            summary = run_on_ray(cfg, run_dir, observers, resume=resume)
+        else:
+            fed.observers.extend(observers)
+            summary = run_local(fed, resume=resume)
+    try:
+        write_plots(RunDirectory(run_dir.path))
+    except (OSError, RfedrayError) as exc:
+        log.warning("the plots of %s were not written (%s); the run is complete", run_dir.path,
+                    getattr(exc, "strerror", None) or exc)
     return summary
 
 
-def run_local(cfg: Config, run_dir: RunDirectory, observers: list, *, resume: bool = False) -> dict:
-    """The whole federation in this process, metrics endpoint included; return the summary.
+def run_local(fed, *, resume: bool = False) -> dict:
+    """The whole federation ``fed`` in this process, metrics endpoint included; return the summary.
 
     The process's torch and BLAS threads are chosen from the work (:mod:`rfedray.threads`).
     """
-    from rfedray.federated.loop import Federation
     from rfedray.threads import available_cpus, choose_threads, use_threads
 
-    fed = Federation.prepare(cfg, run_dir, observers)
+    cfg = fed.cfg
     use_threads(choose_threads(cfg.federation.batch_size, fed.dataset.info["record_shape"], available_cpus(), cfg.run.threads))
     with ExitStack() as stack:
         attach_metrics(fed, stack)

@@ -143,6 +143,12 @@ def eeg_trial(edit_trial):
     return edit
 
 
+def yaml_bytes(tmp, data: bytes):
+    path = tmp / "bad.yaml"
+    path.write_bytes(data)
+    return str(path)
+
+
 def yaml_file(tmp, text):
     path = tmp / "bad.yaml"
     path.write_text(text)
@@ -234,6 +240,21 @@ CASES = [
     Case("metrics-port-out-of-range", lambda c: ["run", "monitoring.metrics_port=70000"], ("monitoring.metrics_port=70000", "[0, 65535]")),
     Case("learning-rate-zero", lambda c: ["run", "optim.default.lr=0"], ("optim.default.lr=0", "> 0")),
     Case("pca-rank-too-large", lambda c: ["run", "data.options.d=4", "data.options.p=4"], ("data.options.p=4", "between 1 and d-1")),
+    Case("config-not-utf8", lambda c: ["run", yaml_bytes(c.tmp, b"run:\n  name: caf\xe9\n")],
+         ("config=", "is not UTF-8 text (byte 0xe9 at offset 16)", "save it as UTF-8")),
+    Case("override-not-utf8", lambda c: ["run", *SYNTHETIC, "run.name=caf\udce9"],
+         ("override=b'run.name=caf\\xe9'", "is not UTF-8 text"), subprocess=True),
+    Case("seed-too-large", lambda c: ["run", *SYNTHETIC, "run.seed=99999999999999999999"],
+         ("run.seed=99999999999999999999", "must be an integer in [0, 4294967295]")),
+    Case("run-name-escapes-output-dir", lambda c: ["run", *SYNTHETIC, "run.name=../x"],
+         ("run.name='../x'", "plain name", "inside run.output_dir")),
+    Case("dimension-beyond-memory", lambda c: ["run", *SYNTHETIC, "data.options.d=100000"],
+         ("data.options.d=100000", "GiB of memory", "lower data.options.d")),
+    Case("too-many-clients", lambda c: ["run", *SYNTHETIC, "federation.n_clients=10000000"],
+         ("federation.n_clients=10000000", "must be at most 100000")),
+    Case("records-beyond-memory", lambda c: ["run", *SYNTHETIC, "federation.n_clients=100000",
+                                             "data.options.records_per_client=1000000"],
+         ("federation.n_clients=100000", "GiB of memory", "lower federation.n_clients")),
     # data: the arrays source
     Case("nan-record", lambda c: vector_run(c.tmp, set_entry("x_1", (3, 2), np.nan)),
          ("data.options.path=", "x_1 (client 1): record 3 is not finite (nan)", "repair or remove")),
@@ -241,6 +262,12 @@ CASES = [
          ("x_2 (client 2): record 0 is not finite (inf)",)),
     Case("nan-test-record", lambda c: vector_run(c.tmp, set_entry("x_test", (5, 1), np.nan)),
          ("x_test (the server's evaluation set): record 5 is not finite",)),
+    Case("test-record-overflows-training-dtype", lambda c: vector_run(c.tmp, set_entry("x_test", (4, 0), 1e300)),
+         ("x_test (the server's evaluation set): record 4 is not finite (inf) as float32", "data.options.dtype")),
+    Case("client-record-overflows-training-dtype", lambda c: vector_run(c.tmp, set_entry("x_1", (7, 3), -1e300)),
+         ("x_1 (client 1): record 7 is not finite (inf) as float32",)),
+    Case("client-key-with-leading-zero", lambda c: vector_run(c.tmp, lambda a: a.update(x_01=a["x_1"][:20])),
+         ("array 'x_01'", "without leading zeros (x_1)")),
     Case("empty-client", lambda c: vector_run(c.tmp, replace("x_1", lambda x: x[:0])), ("x_1 has no records", "lower federation.n_clients")),
     Case("client-smaller-than-batch", lambda c: vector_run(c.tmp, replace("x_2", lambda x: x[:5])),
          ("federation.batch_size=10", "smallest client's record count (5, client 2)")),
@@ -306,7 +333,7 @@ CASES = [
     Case("resume-missing-directory", lambda c: ["run", "--resume", str(c.tmp / "nope")], ("not a run directory",), resume=True),
     Case("resume-without-checkpoint", resume(), ("no checkpoint.pt there",), resume=True,
          damage=lambda rd: (rd / "checkpoint.pt").unlink()),
-    Case("resume-corrupt-checkpoint", resume(), ("checkpoint.pt is unreadable", "restore it from a backup"), resume=True,
+    Case("resume-corrupt-checkpoint", resume(), ("checkpoint.pt is unreadable", "start a new run"), resume=True,
          damage=write("checkpoint.pt", b"\x00not a checkpoint")),
     Case("resume-truncated-checkpoint", resume(), ("checkpoint.pt is unreadable",), resume=True,
          damage=lambda rd: (rd / "checkpoint.pt").write_bytes((rd / "checkpoint.pt").read_bytes()[:300])),
@@ -316,8 +343,10 @@ CASES = [
          damage=edit_checkpoint(nan_theta)),
     Case("resume-model-of-another-shape", resume("data.options.d=9"), ("checkpoint.pt holds a model of shapes",
          "resume with the configuration the run was started with"), resume=True),
-    Case("resume-corrupt-budget", resume(), ("budget.json is unreadable", "restore it from a backup"), resume=True,
+    Case("resume-corrupt-budget", resume(), ("budget.json is unreadable", "will not continue it"), resume=True,
          damage=write("budget.json", b'{"fingerprint": ')),
+    Case("resume-budget-is-a-directory", resume(), ("budget.json is not a file", "will not continue it"), resume=True,
+         damage=lambda rd: ((rd / "budget.json").unlink(), (rd / "budget.json").mkdir())),
     Case("resume-foreign-budget", resume(), ("budget.json was not written for this run",), resume=True, damage=other_budget),
     Case("resume-clip-changed", resume("privacy.clip=0.5"),
          ("privacy.clip='changed since the checkpoint'", "privacy.clip was 0.3548, now 0.5", "start a new run"), resume=True),
@@ -375,6 +404,7 @@ def check_error_line(stderr: str, case: Case) -> str:
     assert line.startswith("error: ") and "Traceback" not in stderr, stderr
     for fragment in case.expect:
         assert fragment in line, f"{fragment!r} not in {line!r}"
+    assert "backup" not in line, "an error must never advise restoring a backup"
     return line
 
 

@@ -145,7 +145,7 @@ def test_remote_ledger_raises_the_accountants_errors_as_one_line(tmp_path):
     cfg = small_cfg(tmp_path)
     rd = RunDirectory.create(str(tmp_path), "remote-ledger")
     fed = Federation.prepare(cfg, rd)
-    actor = start_accountant(fed.make_ledger(), accounting_fingerprint(cfg, fed.privacy, fed.sizes), rd.budget)
+    actor = start_accountant(fed.make_ledger(), accounting_fingerprint(cfg, fed.privacy, fed.sizes), rd)
     ledger = RemoteLedger(actor)
     try:
         with pytest.raises(RfedrayError, match="^format='something else': must be"):

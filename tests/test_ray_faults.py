@@ -167,13 +167,13 @@ def test_accountant_persists_before_answering_and_charges_a_request_once(tmp_pat
     rd = RunDirectory.create(str(tmp_path), "unit")
     fed = Federation.prepare(cfg, rd)
     fingerprint = accounting_fingerprint(cfg, fed.privacy, fed.sizes)
-    accountant = AccountantActor(fed.make_ledger(), fingerprint, str(rd.budget))
-    first = accountant.authorize([0, 1, 2], "round-0")
+    accountant = AccountantActor(fed.make_ledger(), fingerprint, str(rd.path), "")
+    first = accountant.authorize([0, 1, 2], 0, "round-0")
     assert json.loads(rd.budget.read_text())["ledger"]["participations"] == [1, 1, 1, 0, 0, 0]
-    restarted = AccountantActor(fed.make_ledger(), fingerprint, str(rd.budget))
-    assert restarted.authorize([0, 1, 2], "round-0") == first
+    restarted = AccountantActor(fed.make_ledger(), fingerprint, str(rd.path), "")
+    assert restarted.authorize([0, 1, 2], 0, "round-0") == first
     assert restarted.state_dict()["participations"] == [1, 1, 1, 0, 0, 0]
-    restarted.authorize([0, 3], "round-1")
+    restarted.authorize([0, 3], 1, "round-1")
     assert restarted.state_dict()["participations"] == [2, 1, 1, 1, 0, 0]
     assert restarted.epsilon_spent() >= first.epsilon_after > 0
 

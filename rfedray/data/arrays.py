@@ -302,9 +302,16 @@ class ArraysFederation:
         if not isinstance(archive, np.lib.npyio.NpzFile):
             raise self._fail("holds a single array; write every client's arrays with numpy.savez(path, x_0=..., x_1=..., x_test=...)")
         for key in archive.files:
-            if not KEY.match(key):
+            match = KEY.match(key)
+            problem = None
+            if not match:
+                problem = f"unexpected array {key!r}; the file holds x_<i> and y_<i> per client i, x_test and y_test"
+            elif match.group(2) != "test" and match.group(2) != str(int(match.group(2))):
+                problem = (f"array {key!r}: client numbers are written without leading zeros "
+                           f"({match.group(1)}_{int(match.group(2))}); rename it")
+            if problem is not None:
                 archive.close()
-                raise self._fail(f"unexpected array {key!r}; the file holds x_<i> and y_<i> per client i, x_test and y_test")
+                raise self._fail(problem)
         return archive
 
     def _check(self, arrays: "FileArrays") -> tuple[list[int], dict[str, Any]]:
@@ -349,7 +356,11 @@ class ArraysFederation:
         if first is not None and x.shape[1:] != first[1:]:
             raise self._fail(f"{key} holds records of shape {x.shape[1:]}, x_0 of shape {first[1:]}: "
                              "every record of every client must have the same shape")
-        problem = first_nonfinite(x) or self.records.problem(x)
+        with np.errstate(over="ignore", invalid="ignore"):  # the check below names what overflows
+            trained = x.astype(np.dtype(self.options.dtype), copy=False)
+        problem = first_nonfinite(trained) or self.records.problem(x)
+        if problem is not None and first_nonfinite(x) is None:
+            problem += f" as {self.options.dtype} (data.options.dtype, the dtype it trains in)"
         if problem is not None:
             raise self._fail(f"{key} ({where}): {problem}; repair or remove that record")
         return tuple(int(s) for s in x.shape)

@@ -20,6 +20,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from rfedray.data.validation import available_memory
+from rfedray.errors import ConfigError
 from rfedray.options import DTYPES, OptionsError
 from rfedray.task import ClientData, EvalData
 
@@ -83,6 +85,26 @@ class SyntheticPCA:
         self.dtype = DTYPES[options.dtype]
         self.info = {"task": "pca", "d": options.d, "p": options.p, "dataset": "synthetic_pca", "dtype": options.dtype,
                      "record_shape": (options.d,)}
+        self._check_fits(available_memory())
+
+    def _check_fits(self, available: int) -> None:
+        """Refuse, before anything is allocated, a federation that this machine's memory cannot hold.
+
+        A process that builds a client or evaluates holds ``d x d`` float64 matrices (a client's
+        covariance factor, the pooled covariance); over a run every client's records are built.
+        """
+        o = self.options
+        matrices = 2 * 8 * o.d * (o.d + o.p)
+        records = o.records_per_client * (1 + o.size_spread) * self.num_clients * o.d * self.dtype.itemsize
+        gib = 2**30
+        if matrices > available:
+            raise OptionsError("data.options.d", o.d, f"needs about {matrices / gib:.1f} GiB of memory (d x d float64 "
+                              f"matrices), this machine has {available / gib:.1f} GiB available; lower data.options.d")
+        if matrices + records > available:
+            raise ConfigError("federation.n_clients", self.num_clients,
+                              f"with data.options.records_per_client={o.records_per_client} and d={o.d} the clients' records "
+                              f"need about {records / gib:.1f} GiB of memory, this machine has {available / gib:.1f} GiB "
+                              "available; lower federation.n_clients or data.options.records_per_client")
 
     def _basis(self) -> np.ndarray:
         o = self.options

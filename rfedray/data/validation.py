@@ -7,6 +7,7 @@ subject) and what to do.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import numpy as np
@@ -70,3 +71,17 @@ def spd_problem(x: np.ndarray) -> Optional[str]:
         return (f"record {i} is singular or not positive definite "
                 f"(eigenvalues from {smallest[i]:.3g} to {largest[i]:.3g})")
     return None
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine can give a new allocation now (``MemAvailable`` of /proc/meminfo).
+
+    Falls back to the free pages where ``/proc/meminfo`` is not there.
+    """
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -19,13 +19,12 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
-import torch
-
 from rfedray.config import Config, to_yaml
+from rfedray.federated.budget import BudgetFiles, JournaledLedger
 from rfedray.federated.client import LocalResult
 from rfedray.federated.executor import Executor
 from rfedray.federated.resume import Checkpoints, RunState, accounting_fingerprint
-from rfedray.federated.rundir import RunDirectory, atomic_write_json
+from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.server import Server, cohort
 from rfedray.federated.setup import (
     PrivacyPlan, build_dataset, build_model, build_scheme, check_client_sizes, initial_params,
@@ -88,6 +87,11 @@ class Federation:
             epsilon_target=self.privacy.epsilon_target, client_sizes=self.sizes,
         )
 
+    def _journaled_ledger(self, fingerprint: dict):
+        """The ledger the local engine charges: every charge persisted before it returns."""
+        ledger = self.make_ledger()
+        return None if ledger is None else JournaledLedger(ledger, BudgetFiles(self.run_dir, fingerprint))
+
     def local_executor(self) -> Executor:
         from rfedray.federated.executor import LocalExecutor
 
@@ -100,15 +104,16 @@ class Federation:
     def run(self, executor: Executor, resume: bool = False) -> dict:
         """Run (or resume) the rounds; return the summary that is also written to ``summary.json``."""
         cfg, rd = self.cfg, self.run_dir
-        ledger = self.ledger_factory() if self.ledger_factory is not None else self.make_ledger()
-        server = self._server()
         checkpoints = self.checkpoints()
+        ledger = self.ledger_factory() if self.ledger_factory is not None else self._journaled_ledger(checkpoints.fingerprint)
+        server = self._server()
         seeded = cfg.privacy.noise_seed is not None
         if seeded and self.privacy.enabled:
             log.warning("privacy.noise_seed is set: reproducible noise, NOT FOR PRODUCTION")
         # Load every piece of data before the run directory is touched: a bad input fails here.
         eval_data = self.dataset.eval_data()
         state = self._start_state(checkpoints, ledger, resume)
+        charges = ledger.state_dict()["charges"] if ledger is not None else None
         theta: Params = state.theta
         start_round: int = state.round
         opt_states: dict[int, dict] = state.optimizer_states
@@ -121,11 +126,11 @@ class Federation:
             round_start = time.perf_counter()
             chosen = cohort(cfg.run.seed, t, cfg.federation.n_clients, cfg.federation.clients_per_round)
             if ledger is not None:
-                auth = ledger.authorize(chosen)
+                auth = ledger.authorize(chosen, t)  # persisted (write-ahead) before it returns
                 if not auth.granted:
                     halted, halt_reason = True, auth.reason
                     break
-                atomic_write_json(rd.budget, {"fingerprint": checkpoints.fingerprint, "ledger": ledger.state_dict(), "round": t})
+                charges += 1
             results = executor.train(chosen, theta, t, opt_states)
             answered = {cid: r for cid, r in results.items() if isinstance(r, LocalResult)}
             failures = [cid for cid in chosen if not isinstance(results.get(cid), LocalResult)]
@@ -149,6 +154,7 @@ class Federation:
                 "failed": len(failures),
                 "rejected": len(rejected),
                 "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
+                "ledger_charges": charges,
                 "round_seconds": time.perf_counter() - round_start,
                 "aggregation_seconds": agg_seconds,
                 "local_train_seconds": sorted(r.train_seconds for r in answered.values()),  # no client order
@@ -157,7 +163,7 @@ class Federation:
             rd.append_metrics(record)
             for obs in self.observers:
                 obs.on_round(record)
-            if (t + 1) % cfg.run.checkpoint_every == 0 or t + 1 == cfg.run.rounds:
+            if (t + 1) % cfg.run.checkpoint_every == 0 or t + 1 == cfg.run.rounds or rd.out_of_space():
                 checkpoints.save(RunState(theta, t + 1, opt_states, counters, last_metrics), ledger)
         else:
             t = cfg.run.rounds
@@ -182,8 +188,9 @@ class Federation:
             "submissions_rejected": counters["submissions_rejected"],
             "wall_seconds": time.perf_counter() - started,
         }
-        torch.save({k: v.detach().cpu() for k, v in theta.items()}, rd.final_model)
-        atomic_write_json(rd.summary, summary)
+        rd.write_model(theta)
+        rd.write_json("summary.json", summary)
+        rd.drop_reserve()
         for obs in self.observers:
             obs.on_finish(summary)
         return summary
@@ -204,8 +211,8 @@ class Federation:
         # The saved config carries the resolved sigma, so a resume (even one that extends
         # run.rounds) keeps the mechanism the ledger was charged for.
         resolved = replace(self.cfg, privacy=replace(self.cfg.privacy, sigma=self.privacy.sigma))
-        self.run_dir.config.write_text(to_yaml(resolved))
-        return RunState(initial_params(self.cfg, self.model))
+        self.run_dir.write_bytes("config.yaml", to_yaml(resolved).encode())
+        return checkpoints.start(RunState(initial_params(self.cfg, self.model)), ledger)
 
 
 def run_federation(cfg: Config, run_dir: RunDirectory, observers: Optional[list] = None,

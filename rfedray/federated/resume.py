@@ -2,17 +2,20 @@
 
 A run directory holds two records of a run's progress (:mod:`rfedray.federated.rundir`):
 
-* ``checkpoint.pt``, every ``run.checkpoint_every`` rounds: a :class:`RunState` (theta, the next
-  round, the clients' optimiser states, the counters and the last metrics), the accounting
-  fingerprint and a copy of the ledger;
-* ``budget.json``, rewritten before every round trains: the ledger and the fingerprint. It may be
-  ahead of the checkpoint (rounds charged, then lost in a crash); a resume keeps it, so a resumed
-  run never reports less than was spent, and redoes the rounds after the checkpoint.
+* ``checkpoint.pt``, at round 0 (before anything is charged) and every ``run.checkpoint_every``
+  rounds: a :class:`RunState` (theta, the next round, the clients' optimiser states, the counters
+  and the last metrics), the accounting fingerprint and a copy of the ledger (with its sequence
+  number, the charges it covers);
+* ``budget.json`` and ``ledger.jsonl``, written before every round trains
+  (:mod:`rfedray.federated.budget`). They may be ahead of the checkpoint (rounds charged, then
+  lost in a crash); a resume keeps them, so a resumed run never reports less than was spent, and
+  redoes (and charges again) the rounds after the checkpoint. A ``budget.json`` that is missing or
+  older than any other trace is refused.
 
 A resume first checks, writing nothing, that the configuration can continue the run
 (:meth:`Checkpoints.check`): the same accounting fingerprint, the same model shapes, a finite model,
-``run.rounds`` not below the rounds done, a readable ``budget.json`` of the same fingerprint and a
-readable ``metrics.jsonl``. An engine that starts other processes checks before it starts them.
+``run.rounds`` not below the rounds done, a ``budget.json`` of the same fingerprint that no other
+trace is ahead of, and a readable ``metrics.jsonl``. An engine that starts other processes checks before it starts them.
 """
 
 from __future__ import annotations
@@ -20,14 +23,20 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import torch
 
 from rfedray.config import Config, ConfigError
 from rfedray.errors import RfedrayError
-from rfedray.federated.rundir import RunDirectory
+from rfedray.federated.budget import BudgetFiles
+from rfedray.federated.rundir import RunDirectory, RunDirectoryWriteError
 from rfedray.task import Params
+
+RESERVE_FACTOR = 3
+RESERVE_EXTRA_BYTES = 64 * 1024
+"""Space kept free in a local run directory: 3 times the checkpoint and the budget ledger (each
+file and its temporary copy, with room to grow) and 64 KiB for the metrics line and the summary."""
 
 FINGERPRINT_NOTES = {"data.client_sizes": "the clients' record counts differ"}
 """How a changed accounting setting is described when its value is not readable (a hash)."""
@@ -107,9 +116,30 @@ class Checkpoints:
         self.run_dir, self.fingerprint, self.rounds = run_dir, fingerprint, rounds
         self.shapes = {k: tuple(v.shape) for k, v in initial.items()}
 
+    def start(self, state: RunState, ledger) -> RunState:
+        """A new run: the empty ledger's files, then the checkpoint of round 0, before anything is charged.
+
+        So a run stopped at any point, even in its first round, can be resumed.
+        """
+        if ledger is not None:
+            BudgetFiles(self.run_dir, self.fingerprint).start(ledger.state_dict())
+        self.save(state, ledger)
+        return state
+
     def save(self, state: RunState, ledger) -> None:
-        """Write ``checkpoint.pt`` for ``state`` (after round ``state.round - 1``)."""
-        self.run_dir.write_checkpoint({
+        """Write ``checkpoint.pt`` for ``state`` (after round ``state.round - 1``), then keep room for the next one.
+
+        The run directory keeps ``RESERVE_FACTOR`` times the checkpoint and the ledger free
+        (``.reserve``); a write that finds the disk full gives that space back, the loop
+        checkpoints at the end of the round, and the run stops here: nothing trained is lost.
+
+        Raises
+        ------
+        RunDirectoryWriteError
+            When the checkpoint cannot be written, or the disk is full (after this checkpoint).
+        """
+        rd = self.run_dir
+        size = rd.write_checkpoint({
             "round": state.round,
             "theta": {k: v.detach().cpu() for k, v in state.theta.items()},
             "optimizer_states": state.optimizer_states,
@@ -118,6 +148,17 @@ class Checkpoints:
             "ledger": ledger.state_dict() if ledger is not None else None,
             "last_metrics": dict(state.last_metrics),
         })
+        if state.round < self.rounds and (rd.out_of_space() or not rd.reserve(self._room(size))):
+            raise RunDirectoryWriteError(
+                f"the file system of {rd.path} is full: the run stopped after round {state.round} with its checkpoint "
+                f"written; free space and continue with rfedray run --resume {rd.path}"
+            )
+
+    def _room(self, checkpoint_bytes: int) -> int:
+        """Bytes to keep free (``.reserve``) for the rest of a round and the next checkpoint."""
+        rd = self.run_dir
+        budget_bytes = rd.size("budget.json") if rd.is_file("budget.json") else 0
+        return RESERVE_FACTOR * (checkpoint_bytes + budget_bytes) + RESERVE_EXTRA_BYTES
 
     def _check_checkpoint(self, state: dict) -> None:
         """Refuse a checkpoint that this configuration cannot continue (nothing is written before).
@@ -146,7 +187,7 @@ class Checkpoints:
         done = state["round"]
         if isinstance(done, bool) or not isinstance(done, int) or done < 0:
             raise RfedrayError(f"--resume {rd.path}: checkpoint.pt records round {done!r}, not a round count; "
-                               "it is damaged: restore it from a backup or start a new run")
+                               "it is damaged, and rfedray cannot continue a run without its checkpoint: start a new run")
         if done > self.rounds:
             raise ConfigError("run.rounds", self.rounds,
                               f"the run has already completed {done} rounds; resume with run.rounds >= {done}")
@@ -160,46 +201,29 @@ class Checkpoints:
             )
         if not all(bool(torch.isfinite(v).all()) for v in theta.values()):
             raise RfedrayError(f"--resume {rd.path}: checkpoint.pt holds a model that is not finite; "
-                               "it is damaged: restore it from a backup or start a new run")
+                               "it is damaged, and rfedray cannot continue a run without its checkpoint: start a new run")
 
-    def _saved_budget(self) -> Optional[dict]:
-        """The write-ahead ledger of ``budget.json``, or None when there is none.
+    def _load_ledger(self, ledger, state: dict) -> None:
+        """Load the spent budget into ``ledger``: ``budget.json``, once every other trace agrees it is the newest.
+
+        The write-ahead ledger may be ahead of the checkpoint (rounds charged, then lost): it is
+        the one to keep, and the rounds after the checkpoint are charged again when they are
+        redone (the safe side). See :class:`~rfedray.federated.budget.BudgetFiles`.
 
         Raises
         ------
         RfedrayError
-            When ``budget.json`` is unreadable or was written for another accounting set-up.
+            When ``budget.json`` is missing, older than the checkpoint, the charge log or the
+            rounds of ``metrics.jsonl``, or does not fit this run.
         """
         rd = self.run_dir
-        if not rd.budget.is_file():
-            return None
+        saved = BudgetFiles(rd, self.fingerprint).trusted(state, rd.read_metrics(tolerant=True))
         try:
-            saved = json.loads(rd.budget.read_text())
-        except (OSError, ValueError) as exc:
-            raise RfedrayError(
-                f"--resume {rd.path}: budget.json is unreadable ({type(exc).__name__}); it records the privacy "
-                "budget spent, so the run cannot continue without it: restore it from a backup"
-            ) from None
-        if not isinstance(saved, dict) or saved.get("fingerprint") != self.fingerprint or "ledger" not in saved:
-            raise RfedrayError(
-                f"--resume {rd.path}: budget.json was not written for this run's accounting set-up "
-                "(its fingerprint differs from the checkpoint's); restore the run's own budget.json from a backup"
-            )
-        return saved
-
-    def _load_ledger(self, ledger, state: dict) -> None:
-        """Load the spent budget into ``ledger``: ``budget.json``, else the checkpoint's copy.
-
-        The write-ahead ledger may be ahead of the checkpoint (rounds charged, then lost): it is
-        the one to keep, so a resumed run never reports less than was spent.
-        """
-        saved = self._saved_budget() or {"ledger": state["ledger"]}
-        try:
-            ledger.load_state_dict(saved["ledger"])
+            ledger.load_state_dict(saved)
         except (RfedrayError, KeyError, TypeError, AttributeError) as exc:
             raise RfedrayError(
-                f"--resume {self.run_dir.path}: the saved privacy ledger does not fit this run ({type(exc).__name__}: {exc}); "
-                "restore budget.json from a backup (never delete it: it records the budget spent)"
+                f"--resume {rd.path}: budget.json's ledger does not fit this run ({type(exc).__name__}: {exc}); resume "
+                "with the configuration the run was started with (its config.yaml)"
             ) from None
 
     def check(self, ledger) -> RunState:
@@ -226,9 +250,26 @@ class Checkpoints:
         )
 
     def resume(self, ledger) -> RunState:
-        """:meth:`check`, then drop the rounds after the checkpoint from ``metrics.jsonl`` and log the resume."""
+        """:meth:`check`, then keep room for checkpoints, drop the rounds after the checkpoint from
+        ``metrics.jsonl`` and log the resume with the ledger's sequence number.
+
+        Raises
+        ------
+        RunDirectoryWriteError
+            When the disk has not the room for the run's next checkpoints (nothing written).
+        """
+        rd = self.run_dir
         state = self.check(ledger)
-        self.run_dir.truncate_metrics(state.round)
-        self.run_dir.append_metrics({"event": "resumed", "round": state.round,
-                                     "epsilon_spent": ledger.epsilon_spent() if ledger else None})
+        room = self._room(rd.size("checkpoint.pt"))
+        if not rd.reserve(room):
+            raise RunDirectoryWriteError(
+                f"the file system of {rd.path} has not {room} bytes free for the run's next checkpoints; "
+                f"nothing was written: free space and continue with rfedray run --resume {rd.path}"
+            )
+        if ledger is not None:
+            BudgetFiles(rd, self.fingerprint).complete_log()
+        rd.truncate_metrics(state.round)
+        rd.append_metrics({"event": "resumed", "round": state.round,
+                           "epsilon_spent": ledger.epsilon_spent() if ledger else None,
+                           "ledger_charges": ledger.state_dict()["charges"] if ledger else None})
         return state

@@ -34,18 +34,16 @@ def _run_directory(cfg):
     from rfedray.federated.rundir import RunDirectory, new_run_id
 
     rd = RunDirectory.create(cfg.run.output_dir, new_run_id(cfg.run.name))
-    rd.config.write_text(to_yaml(cfg))
+    rd.write_bytes("config.yaml", to_yaml(cfg).encode())
     print(rd.path, flush=True)
     return rd
 
 
 def _finish(rd, result: dict) -> None:
-    from rfedray.federated.rundir import atomic_write_json
-
     for record in result["history"]:
         rd.append_metrics(record)
-    torch.save({k: v.detach().cpu() for k, v in result["theta"].items()}, rd.final_model)
-    atomic_write_json(rd.summary, result["summary"])
+    rd.write_model(result["theta"])
+    rd.write_json("summary.json", result["summary"])
     print(json.dumps(result["summary"]["final_metrics"]), file=sys.stderr)
 
 

@@ -113,6 +113,7 @@ class PrivacyLedger:
         self._participations = [0] * len(sizes)
         self._epsilons: dict[tuple[int, int], float] = {}
         self._spent = 0.0
+        self._charges = 0
 
     def _epsilon(self, records: int, participations: int) -> float:
         key = (records, participations)
@@ -169,11 +170,16 @@ class PrivacyLedger:
         for i in clients:
             self._participations[i] += 1
         self._spent = max(self._spent, epsilon)
+        self._charges += 1
         return Authorization(True, f"charged one participation to {len(clients)} clients", self._spent)
 
     def epsilon_spent(self) -> float:
         """The transcript's record-level epsilon: the largest client epsilon (0 before any round)."""
         return self._spent
+
+    def charges(self) -> int:
+        """How many cohorts were charged: the ledger's sequence number, which only grows."""
+        return self._charges
 
     def client_epsilon(self, client: int) -> float:
         """Epsilon spent so far by the records of ``client``."""
@@ -196,13 +202,14 @@ class PrivacyLedger:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable snapshot: the mechanism, the target and every participation count."""
+        """A JSON-serialisable snapshot: the mechanism, the target, every participation count, the charges."""
         return {
             "format": STATE_FORMAT,
             **self._mechanism(),
             "epsilon_target": self.epsilon_target,
             "participations": list(self._participations),
             "epsilon_spent": self._spent,
+            "charges": self._charges,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -236,7 +243,11 @@ class PrivacyLedger:
             raise checks.PrivacyParameterError(
                 "participations", counts, f"must be a list of {len(self.client_sizes)} integers >= 0"
             )
+        charges = state.get("charges", 0)
+        if isinstance(charges, bool) or not isinstance(charges, int) or charges < 0:
+            raise checks.PrivacyParameterError("charges", charges, "must be an integer >= 0")
         self._participations = list(counts)
+        self._charges = charges
         keys = [(m, p) for m, p in zip(self.client_sizes, counts) if p > 0]
         recomputed = max((self._epsilon(m, p) for m, p in _pareto_front(keys)), default=0.0)
         saved = state.get("epsilon_spent", 0.0)

@@ -1,0 +1,233 @@
+"""The run's privacy ledger on disk: written before every release, and never allowed to go back.
+
+Two files hold it, both written before the cohort trains (write-ahead):
+
+* ``budget.json``: the whole ledger (every client's participations) and its sequence number
+  ``charges``, the number of cohorts charged so far, which only grows (a resumed run that redoes
+  rounds charges them again);
+* ``ledger.jsonl``: one line per charge (``charge``, ``round``, ``cohort``, ``epsilon_after``),
+  appended and fsynced, each line carrying the SHA-256 of the line before it (a hash chain).
+
+The sequence number is mirrored where a run leaves other traces: the checkpoint holds the ledger it
+was taken with, and every line of ``metrics.jsonl`` (rounds, and the ``resumed`` events) says
+``ledger_charges``. :meth:`BudgetFiles.trusted` is what a resume loads: ``budget.json``, refused
+(one line, exit status 2) when it is missing, not a file, unreadable, written for another
+accounting set-up, or older than any of that evidence.
+
+What this detects, and what it cannot:
+
+* detected: ``budget.json`` deleted, replaced by a directory, or put back from an older copy (the
+  charge log, the checkpoint or the metrics are ahead of it); an older ``budget.json`` *and* an
+  older ``checkpoint.pt`` put back with ``metrics.jsonl`` cut short (``ledger.jsonl`` is still
+  ahead); ``ledger.jsonl`` cut short or edited (its last line is behind ``budget.json``, or the
+  chain breaks);
+* not detectable: every one of ``budget.json``, ``ledger.jsonl``, ``checkpoint.pt`` and
+  ``metrics.jsonl`` put back together to one consistent earlier state (a whole run directory
+  restored from a backup) looks like a run that stopped there. Evidence outside the run directory
+  (the Prometheus series of ``rfedray_epsilon_spent``, a versioned or object-locked bucket for
+  ``run.output_dir``) is what shows it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Iterable, Optional, Sequence
+
+from rfedray.errors import RfedrayError
+from rfedray.federated.rundir import RunDirectory
+
+LOG_NAME = "ledger.jsonl"
+
+
+def _digest(line: bytes) -> str:
+    return hashlib.sha256(line).hexdigest()
+
+
+class BudgetFiles:
+    """``budget.json`` and ``ledger.jsonl`` of one run directory, for one accounting set-up.
+
+    Parameters
+    ----------
+    run_dir : RunDirectory
+    fingerprint : dict
+        What the accounting depends on (:func:`rfedray.federated.loop.accounting_fingerprint`).
+    """
+
+    def __init__(self, run_dir: RunDirectory, fingerprint: dict):
+        self.run_dir, self.fingerprint = run_dir, fingerprint
+
+    log = LOG_NAME
+
+    # ----- writing ------------------------------------------------------------------------------
+
+    def start(self, ledger_state: dict) -> None:
+        """A new run's files: the empty ledger and a charge log that starts with the run's identity."""
+        rd = self.run_dir
+        rd.write_json("budget.json", {"fingerprint": self.fingerprint, "ledger": ledger_state, "round": None, "head": ""})
+        header = {"charge": 0, "run_id": rd.run_id, "fingerprint": self.fingerprint, "prev": ""}
+        rd.write_bytes(self.log, (json.dumps(header, sort_keys=True) + "\n").encode())
+
+    def commit(self, ledger_state: dict, round_index: Optional[int], cohort: Sequence[int], epsilon_after: float,
+               extra: Optional[dict] = None) -> None:
+        """Persist a charge before its cohort trains: ``budget.json`` first, then the charge log's line.
+
+        A crash between the two leaves the log one line behind ``budget.json``;
+        :meth:`trusted` appends that line again from ``budget.json``'s ``last``.
+        """
+        rd = self.run_dir
+        head = self._last_line_digest()
+        entry = {"charge": ledger_state["charges"], "round": round_index, "cohort": [int(c) for c in cohort],
+                 "epsilon_after": epsilon_after, "prev": head}
+        line = (json.dumps(entry, sort_keys=True) + "\n").encode()
+        rd.write_json("budget.json", {"fingerprint": self.fingerprint, "ledger": ledger_state, "round": round_index,
+                                  "head": _digest(line), "last": entry, **(extra or {})})
+        rd.append_line(self.log, line)
+
+    def _last_line_digest(self) -> str:
+        lines = self._log_lines()
+        return _digest(lines[-1]) if lines else ""
+
+    def _log_lines(self) -> list[bytes]:
+        try:
+            return [line + b"\n" for line in self.run_dir.read_bytes(LOG_NAME).splitlines() if line.strip()]
+        except FileNotFoundError:
+            return []
+
+    # ----- reading: what a resume may trust -----------------------------------------------------
+
+    def _refuse(self, problem: str) -> RfedrayError:
+        return RfedrayError(
+            f"--resume {self.run_dir.path}: {problem}; resuming could report less epsilon than this run has "
+            "released, so rfedray will not continue it"
+        )
+
+    def saved(self) -> dict:
+        """``budget.json`` as written for this accounting set-up.
+
+        Raises
+        ------
+        RfedrayError
+            When it is missing, not a file, unreadable or written for another set-up.
+        """
+        rd = self.run_dir
+        if not rd.exists("budget.json"):
+            raise self._refuse("budget.json is missing (it is the ledger of the budget this run has spent)")
+        if not rd.is_file("budget.json"):
+            raise self._refuse("budget.json is not a file (it must be the ledger of the budget this run has spent)")
+        try:
+            saved = json.loads(rd.read_bytes("budget.json"))
+        except (OSError, ValueError) as exc:
+            raise self._refuse(f"budget.json is unreadable ({type(exc).__name__}; it is the ledger of the budget spent)") from None
+        if not isinstance(saved, dict) or saved.get("fingerprint") != self.fingerprint or not isinstance(saved.get("ledger"), dict):
+            raise RfedrayError(
+                f"--resume {rd.path}: budget.json was not written for this run's accounting set-up (its fingerprint "
+                "differs from the checkpoint's); resume with the configuration the run was started with (its config.yaml)"
+            )
+        return saved
+
+    def _chain(self) -> list[dict]:
+        """The charge log's entries, checked link by link.
+
+        Raises
+        ------
+        RfedrayError
+            When a line is not JSON or does not link to the line before it.
+        """
+        entries, prev = [], ""
+        lines = self._log_lines()
+        for number, line in enumerate(lines, start=1):
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                if number == len(lines):
+                    break  # cut short by a crash while appending: budget.json holds that charge
+                raise self._refuse(f"{LOG_NAME} line {number} is not JSON (the charge log was altered)") from None
+            if not isinstance(entry, dict) or entry.get("prev") != prev or not isinstance(entry.get("charge"), int):
+                raise self._refuse(f"{LOG_NAME} line {number} does not follow the line before it (the charge log was altered)")
+            entries.append(entry)
+            prev = _digest(line)
+        return entries
+
+    def trusted(self, checkpoint: dict, metrics: Iterable[dict]) -> dict:
+        """The ledger state a resume loads: ``budget.json``'s, after checking it against every other trace.
+
+        Parameters
+        ----------
+        checkpoint : dict
+            The checkpoint being resumed (its ``ledger`` holds the charges it was taken at).
+        metrics : iterable of dict
+            Every line of ``metrics.jsonl`` (their ``ledger_charges``).
+
+        Raises
+        ------
+        RfedrayError
+            (exit status 2) When ``budget.json`` is missing, unreadable, or older than the charge
+            log, the checkpoint or the rounds of ``metrics.jsonl``. Writes nothing (a charge log
+            one line behind after a crash is completed by :meth:`complete_log`).
+        """
+        saved = self.saved()
+        charges = saved["ledger"].get("charges", 0)
+        evidence = {f"the checkpoint (round {checkpoint.get('round')})": (checkpoint.get("ledger") or {}).get("charges", 0)}
+        reported = [r["ledger_charges"] for r in metrics if isinstance(r.get("ledger_charges"), int)]
+        if reported:
+            evidence["metrics.jsonl"] = max(reported)
+        chain = self._chain()
+        if chain:
+            evidence[LOG_NAME] = chain[-1]["charge"]
+        behind = {where: n for where, n in evidence.items() if n > charges}
+        if behind:
+            where, n = max(behind.items(), key=lambda item: item[1])
+            raise self._refuse(f"budget.json records {charges} charges but {where} shows {n}: budget.json is older "
+                               "than what this run released")
+        if chain and chain[-1]["charge"] < charges and self._missing_line(saved) is None:
+            raise self._refuse(f"{LOG_NAME} ends at charge {chain[-1]['charge']} but budget.json records {charges} "
+                               "(the charge log was cut short)")
+        return saved["ledger"]
+
+    def _missing_line(self, saved: dict) -> Optional[bytes]:
+        """The charge log's line that a crash kept from being appended after ``budget.json`` (or None)."""
+        last = saved.get("last")
+        if not isinstance(last, dict) or last.get("prev") != self._last_line_digest():
+            return None
+        line = (json.dumps(last, sort_keys=True) + "\n").encode()
+        return line if _digest(line) == saved.get("head") else None
+
+    def complete_log(self) -> None:
+        """Append the line of ``budget.json``'s last charge when a crash kept it from the charge log."""
+        saved = self.saved()
+        line = self._missing_line(saved)
+        if line is not None and self._chain() and self._chain()[-1]["charge"] == saved["ledger"].get("charges", 0) - 1:
+            self.run_dir.append_line(self.log, line)
+
+
+class JournaledLedger:
+    """A :class:`~rfedray.privacy.ledger.PrivacyLedger` that persists every charge before answering.
+
+    What the federation loop holds on the local engine (the Ray engine's accountant actor does
+    the same on its side).
+
+    Parameters
+    ----------
+    ledger : PrivacyLedger
+    files : BudgetFiles
+    """
+
+    def __init__(self, ledger, files: BudgetFiles):
+        self.ledger, self.files = ledger, files
+
+    def authorize(self, cohort: Sequence[int], round_index: Optional[int] = None):
+        """Charge ``cohort`` (see :meth:`PrivacyLedger.authorize`) and persist it before returning."""
+        auth = self.ledger.authorize(cohort)
+        if auth.granted:
+            self.files.commit(self.ledger.state_dict(), round_index, cohort, auth.epsilon_after)
+        return auth
+
+    def epsilon_spent(self) -> float:
+        return self.ledger.epsilon_spent()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.ledger.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ledger.load_state_dict(state)
