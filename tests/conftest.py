@@ -34,3 +34,29 @@ def no_ray_left_running():
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(size)`` mounts a real tmpfs of ``size`` (e.g. ``"600k"``) and returns its folder.
+
+    For the full-disk tests: it needs root, as CI and the development machines run. Unmounted after
+    the test.
+    """
+    import os
+    import subprocess
+
+    mounts = []
+
+    def mount(size: str):
+        if os.geteuid() != 0:
+            pytest.fail("the full-disk tests mount a tmpfs and need root")
+        folder = tmp_path / f"disk-{len(mounts)}"
+        folder.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
+        mounts.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounts:
+        subprocess.run(["umount", "-l", str(folder)], check=False)

@@ -238,20 +238,9 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-@pytest.fixture
-def disk(tmp_path):
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.fail("the chaos test mounts a tmpfs and needs root")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], check=True)
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
-def test_chaos_never_under_reports_and_completes_with_the_uninterrupted_model(tmp_path, disk):
+def test_chaos_never_under_reports_and_completes_with_the_uninterrupted_model(tmp_path, small_disk):
     trials = int(os.environ.get("RFEDRAY_CHAOS_TRIALS", "30"))
     references = {}
     for rounds in (10, 14, 18):
@@ -260,6 +249,7 @@ def test_chaos_never_under_reports_and_completes_with_the_uninterrupted_model(tm
                               text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         references[rounds] = torch.load(Path(done.stdout.strip()) / "model_final.pt", weights_only=True)
+    disk = small_disk("2m")
     started = time.monotonic()
     report = []
     for index in range(trials):

@@ -254,18 +254,6 @@ def test_a_run_killed_before_its_first_checkpoint_resumes(tmp_path):
     assert charges(run_dir) == released + 300
 
 
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A real 600 KiB tmpfs (needs root, as CI and the dev machines run)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.fail("the full-disk tests mount a tmpfs and need root")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)], check=True)
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def fill(mount: Path, leave: int) -> Path:
     """Fill ``mount`` until ``leave`` bytes are free; return the filler file."""
     filler = mount / "filler"
@@ -276,8 +264,9 @@ def fill(mount: Path, leave: int) -> Path:
 
 
 @pytest.mark.parametrize("leave", [40_000, 100_000, 110_000])
-def test_a_full_disk_stops_at_a_checkpoint_and_the_resume_ends_as_an_uninterrupted_run(tiny_disk, tmp_path, leave):
+def test_a_full_disk_stops_at_a_checkpoint_and_the_resume_ends_as_an_uninterrupted_run(small_disk, tmp_path, leave):
     """Today: a traceback, .tmp files left, and a full disk at the final checkpoint loses the trained model."""
+    tiny_disk = small_disk("600k")
     calibrated = ["run.rounds=20", "run.checkpoint_every=10", "privacy.epsilon=1.0", "privacy.sigma=null"]
     reference = new_run(tmp_path / "ref", *calibrated)
     filler = fill(tiny_disk, leave)

@@ -116,6 +116,8 @@ class Store(Protocol):
 
     def lock(self) -> RunLock: ...
 
+    def lock_record(self) -> dict: ...
+
     def reserve(self, nbytes: int) -> bool: ...
 
     def release_reserve(self) -> bool: ...
@@ -123,6 +125,15 @@ class Store(Protocol):
     def out_of_space(self) -> bool: ...
 
     def drop_reserve(self) -> None: ...
+
+
+def lock_record(store: "Store") -> dict:
+    """What ``.lock`` says about the run directory's last announced holder; ``{}`` when nothing readable."""
+    try:
+        info = json.loads(store.read_bytes(LOCK))
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 # ----- a folder of this machine ---------------------------------------------------------------
@@ -181,7 +192,20 @@ def _process_start(pid: int) -> Optional[float]:
         return None
 
 
-class LocalLock:
+class _HeldLock:
+    """A lock is a context manager: leaving the block releases it."""
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class LocalLock(_HeldLock):
     """An exclusive ``flock`` on the run directory itself, held by the driver.
 
     The kernel releases it when its holder exits, however it exits (a killed driver included), so
@@ -249,12 +273,6 @@ class LocalLock:
         os.close(self.fd)  # closing the descriptor releases the flock
         self.fd = None
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
 
 class LocalStore:
     """A run directory in a folder of this machine (a shared mount included).
@@ -284,11 +302,7 @@ class LocalStore:
         return (self.root / name).stat().st_size
 
     def lock_record(self) -> dict:
-        try:
-            info = json.loads(self.read_bytes(LOCK))
-        except (OSError, ValueError):
-            return {}
-        return info if isinstance(info, dict) else {}
+        return lock_record(self)
 
     def write_atomic(self, name: str, data: bytes) -> None:
         try:
@@ -357,7 +371,7 @@ class LocalStore:
 
 # ----- object storage -------------------------------------------------------------------------
 
-class ObjectLock:
+class ObjectLock(_HeldLock):
     """A lock object created only if absent, with a heartbeat; stale after :data:`LEASE_S` without one.
 
     Parameters
@@ -428,12 +442,6 @@ class ObjectLock:
         except Exception:  # best effort: the lease runs out by itself
             pass
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
 
 class ObjectStore:
     """A run directory in object storage, through fsspec (``s3://bucket/runs/ID``, ``gs://...``).
@@ -471,11 +479,7 @@ class ObjectStore:
         return self.fs.size(self._key(name))
 
     def lock_record(self) -> dict:
-        try:
-            info = json.loads(self.read_bytes(LOCK))
-        except (OSError, ValueError):
-            return {}
-        return info if isinstance(info, dict) else {}
+        return lock_record(self)
 
     def write_atomic(self, name: str, data: bytes) -> None:
         try:
