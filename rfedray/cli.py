@@ -50,7 +50,7 @@ def _resume_config(args: argparse.Namespace, run_dir):
 
 def cmd_run(args: argparse.Namespace) -> int:
     from rfedray.config import load_items
-    from rfedray.federated.rundir import RunDirectory, new_run_id
+    from rfedray.federated.rundir import RunDirectory, RunDirectoryWriteError, new_run_id
     from rfedray.runner import run
 
     extra = [f"run.engine={args.engine}"] if args.engine else []
@@ -66,10 +66,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     args.run_dir = run_dir.path
     try:
         summary = run(cfg, run_dir, quiet=args.quiet, resume=bool(args.resume))
-    except RfedrayError:
+    except RfedrayError as exc:
         if not args.resume and not run_dir.exists("checkpoint.pt"):
             # Refused before the run's first checkpoint (nothing charged): leave no empty run directory behind.
             run_dir.remove_all()
+            if hasattr(exc, "problem"):
+                raise RunDirectoryWriteError(f"{exc.problem}; nothing was charged and the run directory is removed: "
+                                             f"{exc.remedy} and run the command again") from None
         raise
     if summary.get("halted"):
         print(f"halted: {summary['halt_reason']}", file=sys.stderr)

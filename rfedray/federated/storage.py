@@ -60,10 +60,12 @@ class RunDirectoryBusyError(RfedrayError):
 def write_problem(where: str, exc: BaseException, run_dir: str) -> RunDirectoryWriteError:
     reason = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
     remedy = "free space" if getattr(exc, "errno", None) in OUT_OF_SPACE else "make it writable"
-    return RunDirectoryWriteError(
+    error = RunDirectoryWriteError(
         f"cannot write {where} ({reason}); the previous checkpoint and the budget ledger in {run_dir} are intact: "
         f"{remedy} and continue with rfedray run --resume {run_dir}"
     )
+    error.problem, error.remedy = f"cannot write {where} ({reason})", remedy
+    return error
 
 
 def describe_holder(info: dict) -> str:
