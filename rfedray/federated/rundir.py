@@ -34,7 +34,7 @@ import torch
 
 from rfedray.errors import RfedrayError
 from rfedray.federated.storage import (
-    RunDirectoryBusyError, RunDirectoryWriteError, RunLock, Store, atomic_write_bytes, describe_holder, is_url,
+    RunDirectoryBusyError, RunDirectoryWriteError, RunLock, Store, atomic_write_bytes, describe_holder, local_path,
     open_store, write_problem,
 )
 
@@ -90,14 +90,15 @@ class RunDirectory:
         RfedrayError
             When nothing can be written there.
         """
-        location = f"{output_dir.rstrip('/')}/{run_id}" if is_url(output_dir) else Path(output_dir) / run_id
+        folder = local_path(output_dir)
+        location = f"{output_dir.rstrip('/')}/{run_id}" if folder is None else folder / run_id
         try:
-            if not is_url(output_dir):
-                Path(output_dir).mkdir(parents=True, exist_ok=True)
+            if folder is not None:
+                folder.mkdir(parents=True, exist_ok=True)
                 Path(location).mkdir()
             run_dir = cls(location)
             run_dir.store.write_atomic(".write-test", b"ok")
-            run_dir.store.remove_all() if is_url(output_dir) else (Path(location) / ".write-test").unlink()
+            run_dir.store.remove_all() if folder is None else (Path(location) / ".write-test").unlink()
         except (OSError, RfedrayError) as exc:
             reason = getattr(exc, "strerror", None) or str(exc)
             raise RfedrayError(

@@ -534,15 +534,20 @@ class ObjectStore:
         pass
 
 
-def is_url(location: str) -> bool:
-    return "://" in str(location)
+def local_path(location: str | os.PathLike) -> Optional[Path]:
+    """The folder of a path or ``file://`` URL; None for an object-storage URL."""
+    text = os.fspath(location)
+    if text.startswith("file://"):
+        return Path(text[len("file://"):])
+    return None if "://" in text else Path(text)
+
+
+def is_url(location: str | os.PathLike) -> bool:
+    """Whether ``location`` is object storage (a URL other than ``file://``)."""
+    return local_path(location) is None
 
 
 def open_store(location: str | os.PathLike) -> Store:
     """The store of ``location``: a path or ``file://`` URL is a local folder, another URL object storage."""
-    text = os.fspath(location)
-    if text.startswith("file://"):
-        return LocalStore(Path(text[len("file://"):]))
-    if is_url(text):
-        return ObjectStore(text)
-    return LocalStore(Path(text))
+    folder = local_path(location)
+    return ObjectStore(os.fspath(location)) if folder is None else LocalStore(folder)
