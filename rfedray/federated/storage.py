@@ -542,11 +542,6 @@ def local_path(location: str | os.PathLike) -> Optional[Path]:
     return None if "://" in text else Path(text)
 
 
-def is_url(location: str | os.PathLike) -> bool:
-    """Whether ``location`` is object storage (a URL other than ``file://``)."""
-    return local_path(location) is None
-
-
 def open_store(location: str | os.PathLike) -> Store:
     """The store of ``location``: a path or ``file://`` URL is a local folder, another URL object storage."""
     folder = local_path(location)
