@@ -307,12 +307,12 @@ def test_a_read_only_run_directory_is_one_error_line_and_resumes(tmp_path):
     subprocess.run(["mount", "--bind", str(run_dir), str(run_dir)], check=True)
     subprocess.run(["mount", "-o", "remount,bind,ro", str(run_dir)], check=True)
     try:
-        _, err = run.communicate(timeout=300)
+        out, err = run.communicate(timeout=300)
     finally:
         subprocess.run(["umount", str(run_dir)], check=True)
     assert run.returncode == 1
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Read-only file system" in lines[0] and "--resume" in lines[0], err
+    line = error_line(subprocess.CompletedProcess(run.args, run.returncode, out, err))
+    assert "Read-only file system" in line and f"--resume {run_dir}" in line
     assert not [p.name for p in run_dir.iterdir() if p.name.endswith(".tmp")]
     assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["ledger"]["charges"] <= charges(run_dir)
     done = cli("run", "--resume", str(run_dir), "federation.local_steps=300", "--quiet")

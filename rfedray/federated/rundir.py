@@ -217,8 +217,8 @@ class RunDirectory:
         self.check_writer()
         try:
             self.store.write_atomic(_name(file), data)
-        except RunDirectoryWriteError:
-            if not self.store.release_reserve():
+        except RunDirectoryWriteError as exc:
+            if not (exc.out_of_space and self.store.release_reserve()):
                 raise
             self.store.write_atomic(_name(file), data)
 
@@ -235,8 +235,8 @@ class RunDirectory:
         self.check_writer()
         try:
             self.store.append(_name(file), line)
-        except RunDirectoryWriteError:
-            if not self.store.release_reserve():
+        except RunDirectoryWriteError as exc:
+            if not (exc.out_of_space and self.store.release_reserve()):
                 raise
             self.store.append(_name(file), line)
 

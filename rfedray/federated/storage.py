@@ -48,9 +48,19 @@ class RunDirectoryWriteError(RfedrayError):
 
     The file's previous version is intact and the temporary file is removed. Exit status 1: the
     input was fine, the environment failed; ``rfedray run --resume RUN_DIR`` continues the run.
+
+    Attributes
+    ----------
+    problem : str
+        What failed (``cannot write PATH (reason)``).
+    remedy : str
+        What the user does about it (``free space``, ``make it writable``).
+    out_of_space : bool
+        Whether the storage was full (then the run's reserved space may help).
     """
 
     exit_code = 1
+    problem, remedy, out_of_space = "", "", False
 
 
 class RunDirectoryBusyError(RfedrayError):
@@ -59,12 +69,13 @@ class RunDirectoryBusyError(RfedrayError):
 
 def write_problem(where: str, exc: BaseException, run_dir: str) -> RunDirectoryWriteError:
     reason = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
-    remedy = "free space" if getattr(exc, "errno", None) in OUT_OF_SPACE else "make it writable"
+    full = getattr(exc, "errno", None) in OUT_OF_SPACE
+    remedy = "free space" if full else "make it writable"
     error = RunDirectoryWriteError(
         f"cannot write {where} ({reason}); the previous checkpoint and the budget ledger in {run_dir} are intact: "
         f"{remedy} and continue with rfedray run --resume {run_dir}"
     )
-    error.problem, error.remedy = f"cannot write {where} ({reason})", remedy
+    error.problem, error.remedy, error.out_of_space = f"cannot write {where} ({reason})", remedy, full
     return error
 
 
