@@ -184,9 +184,10 @@ def test_charges_after_the_checkpoint_are_kept_and_charged_again(tmp_path):
 def test_a_second_resume_is_refused_naming_the_holder(finished, tmp_path):
     """Row 3: today both resumes exit 0 and metrics.jsonl interleaves two processes' rounds."""
     run_dir = copy_of(finished, tmp_path)
-    # The first resume holds the directory for its rounds and then 8 s more (its metrics endpoint lingers).
+    # The first resume holds the directory for its rounds and then 30 s more (its metrics endpoint
+    # lingers): long enough for the second to start on a loaded machine.
     first = start("run", "--resume", str(run_dir), "run.rounds=40", "monitoring.metrics_port=0",
-                  "monitoring.linger_seconds=8", "--quiet")
+                  "monitoring.linger_seconds=30", "--quiet")
     wait_for(lambda: '"released": false' in (run_dir / ".lock").read_text() and str(first.pid) in (run_dir / ".lock").read_text(),
              what="the first resume to hold the lock")
     second = cli("run", "--resume", str(run_dir), "run.rounds=40", "--quiet")
