@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +25,19 @@ LOCAL_OBJECT_STORE_BYTES = 200 * 1024**2
 CONNECT_TIMEOUT_S = 5.0
 REAPER_WAIT_S = 5.0
 """How long closing a local Ray instance waits for the reaper (:mod:`actors.reaper`) to finish."""
+
+
+def _init_ray(**kwargs) -> None:
+    """``ray.init(**kwargs)``, keeping this process's SIGTERM handling.
+
+    Ray's core worker installs a SIGTERM handler that aborts the process with a crash dump; the
+    driver keeps its own (the CLI's: stop as Ctrl-C does, exit status 143, resumable).
+    """
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    ray.init(**kwargs)
+    if main and previous is not None:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _reachable(host: str, port: int) -> Optional[str]:
@@ -65,7 +80,7 @@ class RaySession:
             reaper = subprocess.Popen([sys.executable, "-m", "actors.reaper", str(os.getpid())], stdin=subprocess.PIPE,
                                       cwd=Path(__file__).resolve().parents[1])
             try:
-                ray.init(
+                _init_ray(
                     address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                     log_to_driver=False, logging_level=logging.WARNING,
                 )
@@ -83,7 +98,7 @@ class RaySession:
             if problem is not None:
                 raise RfedrayError(f"{label}={address!r}: no Ray cluster reachable there ({problem}); {hint}")
         try:
-            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+            _init_ray(address=address, log_to_driver=False, logging_level=logging.WARNING)
         except (ConnectionError, RuntimeError) as exc:
             reason = str(exc).splitlines()[0]
             raise RfedrayError(f"{label}={address!r}: cannot connect to a Ray cluster ({reason}); {hint}") from None

@@ -83,8 +83,15 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, handled as Ctrl-C is: the run stops where it is, Ray is shut down, exit status 143."""
 
 
-def _terminate(signum, frame) -> None:
-    raise Terminated()
+class SigtermHandler:
+    """Raises :class:`Terminated` on SIGTERM and remembers it: inside a Ray call the exception
+    reaches the caller as a plain ``KeyboardInterrupt`` (Ray turns an interrupted wait into one)."""
+
+    received = False
+
+    def __call__(self, signum, frame) -> None:
+        self.received = True
+        raise Terminated()
 
 
 class _CurrentStderrHandler(logging.StreamHandler):
@@ -150,14 +157,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if extra:
         args.items = [*args.items, *extra]
     _configure_logging(logging.DEBUG if args.verbose else logging.WARNING)
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    sigterm = SigtermHandler()
+    previous = signal.signal(signal.SIGTERM, sigterm)
     try:
         return int(args.func(args) or 0)
     except RfedrayError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:
-        what, code = ("terminated (SIGTERM)", 128 + signal.SIGTERM) if isinstance(exc, Terminated) else ("interrupted", 130)
+        terminated = isinstance(exc, Terminated) or sigterm.received
+        what, code = ("terminated (SIGTERM)", 128 + signal.SIGTERM) if terminated else ("interrupted", 130)
         run_dir = getattr(args, "run_dir", None)
         if run_dir is None:
             print(what, file=sys.stderr)
