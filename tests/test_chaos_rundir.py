@@ -257,6 +257,7 @@ def test_chaos_never_under_reports_and_completes_with_the_uninterrupted_model(tm
         trial_tmp.mkdir()
         shutil.rmtree(disk / "runs", ignore_errors=True)
         report.append(Trial(index, trial_tmp, disk, references).run())
+        print(f"trial {index}: {json.dumps(report[-1])}", flush=True)  # progress, with -s
     actions = collections.Counter(a for r in report for a in r["episodes"])
     print("\nchaos:", json.dumps({"trials": trials, "checks": sum(r["checks"] for r in report), "actions": actions,
                                   "seconds": round(time.monotonic() - started)}, indent=1))
