@@ -23,14 +23,9 @@ import torch
 
 from rfedray.federated.rundir import RunDirectory
 
+from small_job import SMALL_JOB
+
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = [
-    "run.engine=local", "run.rounds=12", "run.checkpoint_every=5", "federation.n_clients=6", "federation.clients_per_round=3",
-    "federation.local_steps=2", "federation.batch_size=10", "data.options.d=6", "data.options.p=2",
-    "data.options.records_per_client=40", "privacy.noise_seed=1", "run.seed=0", "privacy.epsilon=null", "privacy.sigma=0.5",
-    "--quiet", "monitoring.progress=false",
-]
-"""A small seeded job with a fixed noise (no target to halt at): a round takes milliseconds on the local engine."""
 
 
 def cli(*args, **kwargs) -> subprocess.CompletedProcess:
@@ -47,7 +42,7 @@ def start(*args) -> subprocess.Popen:
 
 
 def new_run(out: Path, *overrides) -> Path:
-    done = cli("run", *SMALL, f"run.output_dir={out}", *overrides)
+    done = cli("run", *SMALL_JOB, f"run.output_dir={out}", *overrides)
     assert done.returncode == 0, done.stderr
     return Path(done.stdout.strip().splitlines()[0])
 
@@ -167,7 +162,7 @@ def test_every_trace_carries_the_ledger_sequence(finished):
 
 def test_charges_after_the_checkpoint_are_kept_and_charged_again(tmp_path):
     """Killed at round 8 (checkpoint at 5): rounds 5-7 were released, so the resume charges them again."""
-    run = start("run", *SMALL, f"run.output_dir={tmp_path}",
+    run = start("run", *SMALL_JOB, f"run.output_dir={tmp_path}",
                 "run.rounds=40", "federation.local_steps=200")
     run_dir = Path(run.stdout.readline().strip())
     wait_for(lambda: rounds_logged(run_dir) >= 8, what="round 8")
@@ -243,7 +238,7 @@ def test_a_run_killed_before_its_first_checkpoint_resumes(tmp_path):
     """Today: no checkpoint before round run.checkpoint_every, so a run killed before it has spent budget but cannot resume."""
     job = ["run.rounds=300", "run.checkpoint_every=1000"]
     reference = new_run(tmp_path / "ref", *job)
-    run = start("run", *SMALL, f"run.output_dir={tmp_path / 'killed'}", *job)
+    run = start("run", *SMALL_JOB, f"run.output_dir={tmp_path / 'killed'}", *job)
     run_dir = Path(run.stdout.readline().strip())
     wait_for(lambda: rounds_logged(run_dir) >= 2, what="round 2")
     os.killpg(run.pid, signal.SIGKILL)
@@ -277,7 +272,7 @@ def test_a_full_disk_stops_at_a_checkpoint_and_the_resume_ends_as_an_uninterrupt
     tiny_disk = small_disk("600k")
     filler = fill(tiny_disk, leave)
     out = tiny_disk / "runs"
-    done = cli("run", *SMALL, f"run.output_dir={out}", *calibrated)
+    done = cli("run", *SMALL_JOB, f"run.output_dir={out}", *calibrated)
     if done.returncode == 0:
         pytest.fail(f"the disk did not fill up with {leave} bytes free; choose less")
     assert done.returncode == 1, done.stderr
@@ -303,7 +298,7 @@ def test_a_full_disk_stops_at_a_checkpoint_and_the_resume_ends_as_an_uninterrupt
 
 
 def test_a_read_only_run_directory_is_one_error_line_and_resumes(tmp_path):
-    run = start("run", *SMALL, f"run.output_dir={tmp_path}", "run.rounds=30", "federation.local_steps=300")
+    run = start("run", *SMALL_JOB, f"run.output_dir={tmp_path}", "run.rounds=30", "federation.local_steps=300")
     run_dir = Path(run.stdout.readline().strip())
     wait_for(lambda: rounds_logged(run_dir) >= 6, what="round 6")
     subprocess.run(["mount", "--bind", str(run_dir), str(run_dir)], check=True)
@@ -325,7 +320,7 @@ def test_a_read_only_run_directory_is_one_error_line_and_resumes(tmp_path):
 
 def ray_run(out: Path) -> tuple[subprocess.Popen, Path, dict[int, float]]:
     """A Ray-engine run in a session of its own, past its second round; its processes (pid: start time)."""
-    run = start("run", *SMALL, "run.engine=ray", "ray.num_client_actors=2", f"run.output_dir={out}", "run.rounds=400",
+    run = start("run", *SMALL_JOB, "run.engine=ray", "ray.num_client_actors=2", f"run.output_dir={out}", "run.rounds=400",
                 "federation.local_steps=50")
     run_dir = Path(run.stdout.readline().strip())
     wait_for(lambda: rounds_logged(run_dir) >= 2, timeout=300, what="round 2 on Ray")

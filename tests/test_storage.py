@@ -21,13 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from small_job import SMALL_JOB
+
 ROOT = Path(__file__).resolve().parents[1]
-JOB = [
-    "run.engine=local", "run.rounds=12", "run.checkpoint_every=5", "federation.n_clients=6", "federation.clients_per_round=3",
-    "federation.local_steps=2", "federation.batch_size=10", "data.options.d=6", "data.options.p=2",
-    "data.options.records_per_client=40", "privacy.noise_seed=1", "run.seed=0", "privacy.epsilon=null", "privacy.sigma=0.5",
-    "monitoring.progress=false", "--quiet",
-]
 
 
 def free_port() -> int:
@@ -93,7 +89,7 @@ def reference(tmp_path_factory):
     """The uninterrupted run on a local disk."""
     out = tmp_path_factory.mktemp("reference")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = cli(env, "run", *JOB, f"run.output_dir={out}")
+    done = cli(env, "run", *SMALL_JOB, f"run.output_dir={out}")
     assert done.returncode == 0, done.stderr
     run_dir = Path(done.stdout.strip())
     return torch.load(run_dir / "model_final.pt", weights_only=True), json.loads((run_dir / "summary.json").read_text())
@@ -110,7 +106,7 @@ def test_a_run_on_s3_killed_and_resumed_from_elsewhere_ends_as_the_uninterrupted
     releases = tmp_path / "releases.txt"
     watched = dict(env, RFEDRAY_CHAOS_RELEASES=str(releases),
                    PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "chaos"), str(ROOT)]))
-    run = start(watched, "run", *JOB, f"run.engine={engine}", "run.output_dir=s3://runs/shared", "run.rounds=400",
+    run = start(watched, "run", *SMALL_JOB, f"run.engine={engine}", "run.output_dir=s3://runs/shared", "run.rounds=400",
                 "federation.local_steps=2")
     url = run.stdout.readline().strip()
     assert url.startswith("s3://runs/shared/fedpca-")
@@ -155,7 +151,7 @@ def _done_rounds(client, url) -> int:
 
 def test_an_older_budget_on_s3_is_refused_and_a_second_writer_too(s3, tmp_path):
     env, client = s3
-    first = cli(env, "run", *JOB, "run.rounds=3", "run.output_dir=s3://runs/refuse")
+    first = cli(env, "run", *SMALL_JOB, "run.rounds=3", "run.output_dir=s3://runs/refuse")
     assert first.returncode == 0, first.stderr
     url = first.stdout.strip()
     older = get(client, url, "budget.json")
@@ -176,7 +172,7 @@ def test_an_older_budget_on_s3_is_refused_and_a_second_writer_too(s3, tmp_path):
 def test_a_shared_folder_by_file_url(tmp_path, reference):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     shared = tmp_path / "shared"
-    run = start(env, "run", *JOB, f"run.output_dir=file://{shared}", "run.rounds=400")
+    run = start(env, "run", *SMALL_JOB, f"run.output_dir=file://{shared}", "run.rounds=400")
     run_dir = Path(run.stdout.readline().strip())
     assert run_dir.parent == shared
     deadline = time.monotonic() + 300

@@ -28,7 +28,7 @@ import os
 import secrets
 import time
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -207,8 +207,8 @@ class RunDirectory:
 
     # ----- writing -----------------------------------------------------------------------------
 
-    def write_bytes(self, file: str | os.PathLike, data: bytes) -> None:
-        """Replace a file atomically, as the lock holder; a full disk gives back the reserve and retries once.
+    def _write(self, write: Callable[[], None]) -> None:
+        """``write()`` as the lock holder; a full disk gives back the reserve and ``write()`` is tried once more.
 
         Raises
         ------
@@ -216,11 +216,20 @@ class RunDirectory:
         """
         self.check_writer()
         try:
-            self.store.write_atomic(_name(file), data)
+            write()
         except RunDirectoryWriteError as exc:
             if not (exc.out_of_space and self.store.release_reserve()):
                 raise
-            self.store.write_atomic(_name(file), data)
+            write()
+
+    def write_bytes(self, file: str | os.PathLike, data: bytes) -> None:
+        """Replace a file atomically (see :meth:`_write`).
+
+        Raises
+        ------
+        RunDirectoryWriteError
+        """
+        self._write(lambda: self.store.write_atomic(_name(file), data))
 
     def write_json(self, file: str | os.PathLike, obj: Any) -> None:
         self.write_bytes(file, (json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n").encode())
@@ -232,13 +241,7 @@ class RunDirectory:
         ------
         RunDirectoryWriteError
         """
-        self.check_writer()
-        try:
-            self.store.append(_name(file), line)
-        except RunDirectoryWriteError as exc:
-            if not (exc.out_of_space and self.store.release_reserve()):
-                raise
-            self.store.append(_name(file), line)
+        self._write(lambda: self.store.append(_name(file), line))
 
     def remove_all(self) -> None:
         """Delete the run directory (a run refused before its first checkpoint leaves nothing)."""
