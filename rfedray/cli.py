@@ -4,10 +4,13 @@
 
     rfedray run [CONFIG] [key=value ...] [--engine ray|local] [--resume RUN_DIR] [--quiet]
     rfedray config show [CONFIG] [key=value ...]
+    rfedray config init [DIR]
     rfedray privacy calibrate|epsilon|table ...
+    rfedray --version
 
 Every user error (bad config value, missing file, unusable directory) is printed as one line
-``error: ...`` on stderr with exit status 2, never as a traceback.
+``error: ...`` on stderr with exit status 2, never as a traceback; a run that fails once started
+(:class:`~rfedray.errors.RunFailure`) exits with status 1.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import shutil
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from rfedray import __version__
 from rfedray.errors import RfedrayError
 
 SUBCOMMAND_MODULES = (
@@ -38,43 +41,43 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume_config(args: argparse.Namespace):
-    from rfedray.config import load_config, split_items
-
-    run_dir = Path(args.resume)
-    saved = run_dir / "config.yaml"
-    if not saved.is_file():
-        raise RfedrayError(f"--resume {run_dir}: not a run directory (no config.yaml there)")
-    path, overrides = split_items(args.items)
-    if path is not None:
-        raise RfedrayError("--resume: give key=value overrides only; the config is the run directory's config.yaml")
-    return load_config(saved, overrides)
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    from rfedray.config import load_items
+    from rfedray.config import load_items, split_items
     from rfedray.federated.rundir import RunDirectory, new_run_id
-    from rfedray.runner import run
+    from rfedray.runner import resume_config, run_discarding_refused
 
     extra = [f"run.engine={args.engine}"] if args.engine else []
     if args.resume:
-        cfg = _resume_config(args)
-        if args.engine:
-            cfg.run.engine = args.engine
+        path, overrides = split_items(args.items)
+        if path is not None:
+            raise RfedrayError("--resume: give key=value overrides only; the config is the run directory's config.yaml")
+        cfg = resume_config(Path(args.resume), [*overrides, *extra])
         run_dir = RunDirectory(args.resume)
     else:
         cfg = load_items(args.items, extra)
         run_dir = RunDirectory.create(cfg.run.output_dir, new_run_id(cfg.run.name))
     print(run_dir.path, flush=True)
-    try:
-        summary = run(cfg, run_dir, quiet=args.quiet, resume=bool(args.resume))
-    except RfedrayError:
-        if not args.resume and not run_dir.metrics.exists() and not run_dir.budget.exists():
-            # Refused before any round was charged: leave no empty run directory behind.
-            shutil.rmtree(run_dir.path, ignore_errors=True)
-        raise
+    summary = run_discarding_refused(cfg, run_dir, quiet=args.quiet, resume=bool(args.resume))
     if summary.get("halted"):
         print(f"halted: {summary['halt_reason']}", file=sys.stderr)
+    return 0
+
+
+def cmd_config_init(args: argparse.Namespace) -> int:
+    from rfedray.paths import packaged_configs
+
+    folder = Path(args.dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RfedrayError(f"config init {folder}: cannot create the folder ({exc.strerror})") from None
+    for name, source in packaged_configs().items():
+        target = folder / name
+        if target.exists():
+            print(f"kept     {target} (exists)")
+            continue
+        target.write_bytes(source.read_bytes())
+        print(f"written  {target}")
     return 0
 
 
@@ -106,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Record-level differentially private federated learning on Riemannian manifolds, on Ray.",
     )
     parser.add_argument("--verbose", action="store_true", help="log debug information")
+    parser.add_argument("--version", action="version", version=f"rfedray {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     verbose = argparse.ArgumentParser(add_help=False)
@@ -125,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Print the configuration after defaults, file and overrides.")
     show.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]")
     show.set_defaults(func=cmd_config_show)
+    init = config_sub.add_parser("init", help="copy the packaged configurations into a folder, to edit them",
+                                 description="Copy the configurations shipped with rfedray into DIR (existing files are kept).")
+    init.add_argument("dir", nargs="?", default="configs", metavar="DIR", help="where to put them (default: ./configs)")
+    init.set_defaults(func=cmd_config_init)
 
     for module_name in SUBCOMMAND_MODULES:
         importlib.import_module(module_name).register(sub)

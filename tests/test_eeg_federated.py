@@ -1,7 +1,7 @@
 """Federated SPDNet and EEGNet on the real PhysionetMI files, read through MOABB with the network blocked.
 
 The runs use ``configs/eeg_physionet_*.yaml`` (five subjects = five clients, half of every
-subject's trials held out) and the preprocessing cache under ``<repo>/.cache/eeg`` (the first load
+subject's trials held out) and the preprocessing cache (``rfedray.paths.cache_dir() / "eeg"``) (the first load
 takes a few seconds per subject; later ones read the cache). Accuracy is judged on the pooled
 held-out trials of the five clients by a one-sided binomial test against chance (1/2).
 """

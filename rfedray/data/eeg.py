@@ -38,7 +38,8 @@ random, seeded by ``(split_seed, client_id)``). The server evaluates on the unio
 test splits.
 
 Cache: the preprocessed arrays of every subject are stored as ``.npz`` under
-``<cache_dir>/<dataset>/<key>/``, where ``key`` hashes every preprocessing parameter (dataset,
+``<cache_dir>/<dataset>/<key>/`` (``cache_dir`` defaults to ``eeg`` in the user's cache folder,
+:func:`rfedray.paths.cache_dir`), where ``key`` hashes every preprocessing parameter (dataset,
 events, paradigm, band, sampling rate, n_times, representation and its estimator, the versions of
 MOABB, MNE and pyriemann). Files are written atomically, so processes may share a cache.
 
@@ -68,6 +69,8 @@ import torch
 from rfedray.options import DTYPES, OptionsError
 from rfedray.data.validation import first_nonfinite, spd_problem
 from rfedray.errors import RfedrayError
+from rfedray.paths import cache_dir
+from rfedray.progress import bar
 from rfedray.task import ClientData, EvalData
 
 ESTIMATORS = ("oas", "lwf", "sch")
@@ -441,8 +444,8 @@ def group_subjects(subjects: list[int], n_clients: int) -> list[list[int]]:
 
 
 def default_cache_dir() -> Path:
-    """``RFEDRAY_CACHE_DIR`` if set, else ``.cache/eeg`` in the repository (git-ignored)."""
-    return Path(os.environ.get("RFEDRAY_CACHE_DIR", "") or REPOSITORY / ".cache").expanduser() / "eeg"
+    """``eeg`` in :func:`rfedray.paths.cache_dir` (``RFEDRAY_CACHE_DIR``, else the user's cache folder)."""
+    return cache_dir() / "eeg"
 
 
 @dataclass
@@ -472,7 +475,7 @@ class Options:
     data_path : str
         Folder of the raw files; empty uses ``MNE_DATASETS_<SIGN>_PATH`` or the default.
     cache_dir : str
-        Folder of the preprocessed arrays; empty uses ``RFEDRAY_CACHE_DIR`` or ``<repo>/.cache``.
+        Folder of the preprocessed arrays; empty uses :func:`default_cache_dir`.
     dtype : str
         ``float32`` or ``float64``.
     """
@@ -611,7 +614,11 @@ class MOABBEEG:
         return split_client(features, labels, self.options.test_fraction, self.split_seed, client_id, self.dtype)
 
     def client_sizes(self) -> list[int]:
-        """Training records per client (from the cached labels; preprocesses what is missing)."""
+        """Training records per client (from the cached labels; preprocesses what is missing, with a
+        progress bar on a terminal)."""
+        missing = [s for group in self.subjects for s in group if not self.cache.path(s).is_file()]
+        for subject in bar(missing, desc=f"{self.spec.name}: preprocessing", unit="subject"):
+            self.subject_arrays(subject)
         sizes = []
         for group in self.subjects:
             labels = [(self.cache.read(s, "y") or self.subject_arrays(s)[1:])[0] for s in group]

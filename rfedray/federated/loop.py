@@ -28,7 +28,7 @@ from rfedray.federated.resume import Checkpoints, RunState, accounting_fingerpri
 from rfedray.federated.rundir import RunDirectory, atomic_write_json
 from rfedray.federated.server import Server, cohort
 from rfedray.federated.setup import (
-    PrivacyPlan, build_dataset, build_model, build_scheme, check_client_sizes, initial_params,
+    GivenTask, PrivacyPlan, build_dataset, build_model, build_scheme, check_client_sizes, initial_params,
     local_plan, resolve_privacy,
 )
 from rfedray.geometry import ProductManifold
@@ -60,16 +60,19 @@ class Federation:
     privacy: PrivacyPlan
     observers: list[RoundObserver] = field(default_factory=list)
     ledger_factory: Optional[Callable[[], Any]] = None  # the ledger run() charges; default make_ledger (Ray: the accountant actor)
+    given: Optional[GivenTask] = None  # model or dataset objects of the user's (the Ray engine sends them to its actors)
 
     @classmethod
-    def prepare(cls, cfg: Config, run_dir: RunDirectory, observers: Optional[list] = None) -> "Federation":
-        """Build the task and resolve the privacy plan; nothing trains yet."""
-        dataset = build_dataset(cfg)
-        sizes = dataset.client_sizes()
+    def prepare(cls, cfg: Config, run_dir: RunDirectory, observers: Optional[list] = None,
+                given: Optional[GivenTask] = None) -> "Federation":
+        """Build the task (from the configuration, or the ``given`` objects) and resolve the privacy
+        plan; nothing trains yet."""
+        dataset = build_dataset(cfg, given)
+        sizes = [int(m) for m in dataset.client_sizes()]
         check_client_sizes(cfg, sizes)
-        model = build_model(cfg, dataset.info)
+        model = build_model(cfg, dataset.info, given)
         privacy = resolve_privacy(cfg, sizes)
-        return cls(cfg, run_dir, model, dataset, sizes, privacy, list(observers or []))
+        return cls(cfg, run_dir, model, dataset, sizes, privacy, list(observers or []), given=given)
 
     @property
     def product(self) -> ProductManifold:
@@ -140,7 +143,7 @@ class Federation:
                 log.warning("round %d: submission rejected: %s", t, r.reason)
             counters["client_failures"] += len(failures)
             counters["submissions_rejected"] += len(rejected)
-            if (t + 1) % cfg.run.evaluate_every == 0 or t + 1 == cfg.run.rounds:
+            if eval_data.tensors and ((t + 1) % cfg.run.evaluate_every == 0 or t + 1 == cfg.run.rounds):
                 last_metrics = self.model.evaluate(theta, eval_data)
             record = {
                 "round": t,
