@@ -33,7 +33,8 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from rfedray.config import Config, ConfigError, DataConfig, ModelConfig, load_config, to_dict, validate
+from rfedray.config import Config, DataConfig, ModelConfig, load_config, to_dict, validate
+from rfedray.errors import ConfigError
 from rfedray.federated.rundir import RunDirectory, new_run_id
 from rfedray.federated.setup import GivenTask
 from rfedray.registry import GIVEN

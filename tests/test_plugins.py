@@ -21,7 +21,8 @@ import torch
 
 import rfedray
 from rfedray.cli import main
-from rfedray.config import ConfigError, load_config
+from rfedray.config import load_config
+from rfedray.options import OptionsError
 from rfedray.plugins import code_locations
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,20 +74,25 @@ def test_plugins_by_import_path_run_from_the_command_line(plugin, tmp_path, caps
 
 
 @pytest.mark.parametrize("override,message", [
-    ("model.options.dd=3", r"model.options.dd=3: unknown key \(did you mean 'd'\?\)"),
-    ("model.options.d=three", r"model.options.d='three'"),
-    ("data.options.folder=null", r"data.options.folder=None"),
+    ("model.options.dd=3", "model.options.dd=3: unknown key (did you mean 'd'?)"),
+    ("model.options.d=three", "model.options.d='three': Value 'three' of type 'str' could not be converted to Integer"),
+    ("data.options.folder=null", "data.options.folder=None: Incompatible value 'None' for field of type 'str'"),
 ])
-def test_plugin_options_are_checked_like_builtin_ones(plugin, override, message):
+def test_plugin_options_are_checked_like_builtin_ones(plugin, override, message, capsys):
+    """A plugin's bad option is the options' error (like a built-in model's), one line naming the field, status 2."""
     name, _, files = plugin
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(OptionsError):
         load_config(None, [*by_path(name, files), override])
+    assert main(["config", "show", *by_path(name, files), override]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
 
 
-def test_a_required_plugin_option_must_be_given(plugin):
+def test_a_required_plugin_option_must_be_given(plugin, capsys):
     name, _, _ = plugin
-    with pytest.raises(ConfigError, match=r"data.options.folder=None: is required \(it has no default\)"):
+    with pytest.raises(OptionsError):
         load_config(None, [f"data.source={name}:LoggedFiles"])
+    assert main(["config", "show", f"data.source={name}:LoggedFiles"]) == 2
+    assert capsys.readouterr().err == "error: data.options.folder=None: is required (it has no default)\n"
 
 
 @pytest.mark.parametrize("path,message", [
