@@ -63,7 +63,7 @@ RUN = ["federation.n_clients=3", "federation.clients_per_round=3", "federation.l
        "monitoring.progress=false"]
 
 
-def test_a_client_holding_other_than_its_declared_size_never_trains(tmp_path):
+def test_a_client_holding_other_than_its_declared_size_never_trains(tmp_path, caplog):
     honest = rfedray.run(None, *RUN, f"run.output_dir={tmp_path}", model=linear_model(), dataset=Lines([40, 40, 40]),
                          engine="local")
     start = linear_model()
@@ -74,6 +74,9 @@ def test_a_client_holding_other_than_its_declared_size_never_trains(tmp_path):
     # Client 1 declares 40 records (the accountant's B/m) but holds 20: it is a dropout of every round.
     assert lying.summary["client_failures"] == 6 and all(r["answered"] == 2 for r in lying.metrics)
     assert lying.summary["epsilon_spent"] == honest.summary["epsilon_spent"]
+    said = [r.getMessage() + (r.exc_text or "") for r in caplog.records]
+    assert any("client 1 does not hold the 40 training records" in line for line in said)
+    assert not any("20" in line for line in said)  # what it holds is not declared: not in the logs either
 
 
 def test_data_without_server_evaluation_runs(tmp_path):

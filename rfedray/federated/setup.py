@@ -175,8 +175,10 @@ def build_client(cfg: Config, client_id: int, dataset: FederatedDataset, model: 
     if declared is None:
         declared = int(dataset.client_sizes()[client_id])
     if data.num_records != declared:
-        raise ValueError(f"client {client_id} holds {data.num_records} training records, but the dataset's "
-                         f"client_sizes() declares {declared}; the accounting needs the true sizes")
+        # The number it holds stays out of the message: the server sees errors, and a count of records
+        # is not public unless declared.
+        raise ValueError(f"client {client_id} does not hold the {declared} training records that the dataset's "
+                         "client_sizes() declares; the accounting needs the true sizes")
     return Client(client_id, data, model, build_scheme(cfg), cfg.optim, plan)
 
 
