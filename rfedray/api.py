@@ -20,7 +20,7 @@ configuration may also name the user's code by import path (``model.name:
 "package.module:factory"``, :mod:`rfedray.plugins`), which the command line runs too.
 
 Errors are the command line's: a :class:`~rfedray.errors.RfedrayError` (a
-:class:`~rfedray.config.ConfigError` for a bad value) with the one-line message the CLI prints.
+:class:`~rfedray.errors.ConfigError` for a bad value) with the one-line message the CLI prints.
 """
 
 from __future__ import annotations

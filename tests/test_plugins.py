@@ -22,6 +22,7 @@ import torch
 import rfedray
 from rfedray.cli import main
 from rfedray.config import load_config
+from rfedray.errors import RfedrayError
 from rfedray.options import OptionsError
 from rfedray.plugins import code_locations
 
@@ -167,3 +168,22 @@ def test_user_model_and_data_run_privately_on_ray_by_path_and_from_the_api(plugi
     for group, value in local.final_params.items():
         assert torch.equal(api.final_params[group], value), group
     assert load_config(api.run_dir / "config.yaml").model.name == "python-object"
+
+
+def test_on_ray_a_client_that_lacks_its_declared_records_stops_the_run_before_any_charge(plugin, ray_instance, tmp_path):
+    """Client 1's file holds 40 records where the index declares 48 (the accountant's B/m): its client
+    actor does not start, so the run is refused before round 0; the error does not say what it holds."""
+    name, module, _ = plugin
+    files = module.write_files(tmp_path / "files", n_clients=4, records=48)
+    short = torch.load(files / "client_1.pt")
+    torch.save({"x": short["x"][:40], "y": short["y"][:40]}, files / "client_1.pt")
+    dataset = module.CovarianceFiles(str(files))
+    with pytest.raises(RfedrayError) as refused:
+        rfedray.run(None, *SMALL, f"run.output_dir={tmp_path / 'runs'}", model=module.spdnet(dataset.info, d=3),
+                    dataset=dataset, engine="ray", quiet=True)
+    message = str(refused.value)
+    assert message.startswith("a client actor failed to start: ") and "client 1 does not hold the 48 training records" in message
+    assert "40" not in message
+    for budget in (tmp_path / "runs").glob("*/budget.json"):  # nothing was charged
+        assert sum(json.loads(budget.read_text())["ledger"]["participations"]) == 0
+    assert not list((tmp_path / "runs").glob("*/metrics.jsonl"))
