@@ -2,6 +2,7 @@
 packaged configurations, --version, and the progress bars."""
 
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from rfedray.config import ConfigError, to_yaml
 from rfedray.paths import packaged_configs
 from rfedray.progress import bar
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_config_reads_the_same_from_a_file_a_name_a_dict_and_overrides(tmp_path):
@@ -115,3 +116,20 @@ def test_progress_bars_draw_on_a_terminal_only():
     assert list(bar(range(3), desc="subjects", stream=terminal)) == [0, 1, 2]
     assert list(bar(range(3), desc="subjects", stream=log)) == [0, 1, 2]
     assert "subjects:   0%" in terminal.getvalue() and "0/3" in terminal.getvalue() and log.getvalue() == ""
+
+
+def test_cache_and_data_folders_are_the_users_not_the_packages(tmp_path, monkeypatch):
+    from rfedray.data.eeg import default_cache_dir
+    from rfedray.paths import cache_dir, data_dir
+
+    monkeypatch.delenv("RFEDRAY_CACHE_DIR", raising=False)
+    monkeypatch.delenv("RFEDRAY_DATA_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "share"))
+    assert cache_dir() == tmp_path / "cache" / "rfedray" and default_cache_dir() == tmp_path / "cache" / "rfedray" / "eeg"
+    assert data_dir() == tmp_path / "share" / "rfedray"
+    package = Path(rfedray.__file__).parent
+    assert not cache_dir().is_relative_to(package) and not data_dir().is_relative_to(package)
+    monkeypatch.setenv("RFEDRAY_CACHE_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("RFEDRAY_DATA_DIR", "~/rfedray-data")
+    assert cache_dir() == tmp_path / "elsewhere" and data_dir() == Path.home() / "rfedray-data"
