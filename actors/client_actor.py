@@ -128,7 +128,16 @@ class ClientActor:
         self.client_ids = sorted(int(c) for c in client_ids)
         self._executor = LocalExecutor(cfg, dataset, build_model(cfg, dataset.info, given), plan)
         for cid in self.client_ids:
-            self._executor.client(cid)
+            try:
+                self._executor.client(cid)
+            except RfedrayError:
+                raise  # rfedray's own message, which says nothing about the records
+            except Exception as exc:
+                # The data's own message may quote records: it stays in this actor's log, on the client's
+                # node; the server (and the error of the run) learns only its type.
+                log.exception("client %d: loading its records failed", cid)
+                raise RfedrayError(f"client {cid}: {type(exc).__name__} while loading its records (its message is "
+                                   "in the client actor's log, on the client's node)") from None
 
     def train(
         self, cohort: Sequence[int], theta: dict[str, torch.Tensor], round_index: int,

@@ -37,6 +37,15 @@ class LoggedFiles(CovarianceFiles):
         import os
         (self.folder / f"loaded-{client_id}-{os.getpid()}").touch()
         return super().client_data(client_id)
+
+
+class Quoting(CovarianceFiles):
+    """CovarianceFiles whose client 2 fails with an error that quotes one of its records."""
+
+    def client_data(self, client_id):
+        if client_id == 2:
+            raise ValueError("record 7 of client 2 is 0.8125")
+        return super().client_data(client_id)
 '''
 
 SMALL = ["federation.n_clients=4", "federation.clients_per_round=2", "federation.local_steps=2",
@@ -170,20 +179,29 @@ def test_user_model_and_data_run_privately_on_ray_by_path_and_from_the_api(plugi
     assert load_config(api.run_dir / "config.yaml").model.name == "python-object"
 
 
-def test_on_ray_a_client_that_lacks_its_declared_records_stops_the_run_before_any_charge(plugin, ray_instance, tmp_path):
-    """Client 1's file holds 40 records where the index declares 48 (the accountant's B/m): its client
-    actor does not start, so the run is refused before round 0; the error does not say what it holds."""
+def refused_on_ray(module, dataset, output_dir):
+    """The error of a private run of ``dataset`` on Ray; checks that nothing was charged or trained."""
+    with pytest.raises(RfedrayError) as refused:
+        rfedray.run(None, *SMALL, f"run.output_dir={output_dir}", model=module.spdnet(dataset.info, d=3),
+                    dataset=dataset, engine="ray", quiet=True)
+    for budget in output_dir.glob("*/budget.json"):
+        assert sum(json.loads(budget.read_text())["ledger"]["participations"]) == 0
+    assert not list(output_dir.glob("*/metrics.jsonl"))
+    return str(refused.value)
+
+
+def test_on_ray_a_client_that_cannot_load_its_records_stops_the_run_before_any_charge(plugin, ray_instance, tmp_path):
+    """Client 1's file holds 40 records where the index declares 48 (the accountant's B/m), or client 2's
+    loading fails with a message quoting a record: its client actor does not start, so the run is refused
+    before round 0, and the error says neither what the client holds nor the data's own message."""
     name, module, _ = plugin
     files = module.write_files(tmp_path / "files", n_clients=4, records=48)
+    quoting = refused_on_ray(module, module.Quoting(str(files)), tmp_path / "quoting")
+    assert quoting.startswith("a client actor failed to start: ") and "0.8125" not in quoting
+    assert quoting.endswith("client 2: ValueError while loading its records (its message is in the client actor's log, "
+                            "on the client's node)")
     short = torch.load(files / "client_1.pt")
     torch.save({"x": short["x"][:40], "y": short["y"][:40]}, files / "client_1.pt")
-    dataset = module.CovarianceFiles(str(files))
-    with pytest.raises(RfedrayError) as refused:
-        rfedray.run(None, *SMALL, f"run.output_dir={tmp_path / 'runs'}", model=module.spdnet(dataset.info, d=3),
-                    dataset=dataset, engine="ray", quiet=True)
-    message = str(refused.value)
-    assert message.startswith("a client actor failed to start: ") and "client 1 does not hold the 48 training records" in message
-    assert "40" not in message
-    for budget in (tmp_path / "runs").glob("*/budget.json"):  # nothing was charged
-        assert sum(json.loads(budget.read_text())["ledger"]["participations"]) == 0
-    assert not list((tmp_path / "runs").glob("*/metrics.jsonl"))
+    lacking = refused_on_ray(module, module.CovarianceFiles(str(files)), tmp_path / "lacking")
+    assert lacking.startswith("a client actor failed to start: ") and "client 1 does not hold the 48 training records" in lacking
+    assert "40" not in lacking

@@ -13,6 +13,7 @@ import torch
 
 from rfedray import aggregation, plugins, registry
 from rfedray.config import Config, ConfigError
+from rfedray.errors import RfedrayError
 from rfedray.federated.client import Client, LocalPlan
 from rfedray.geometry import STIEFEL_RETRACTIONS, Stiefel
 from rfedray.task import FederatedDataset, FederatedModel
@@ -155,6 +156,10 @@ def local_plan(cfg: Config, privacy: PrivacyPlan) -> LocalPlan:
     )
 
 
+class DeclaredSizeMismatch(RfedrayError):
+    """A client whose records do not number its entry of ``client_sizes()`` (the accountant's ``m``)."""
+
+
 def build_client(cfg: Config, client_id: int, dataset: FederatedDataset, model: FederatedModel, plan: LocalPlan,
                  declared: Optional[int] = None) -> Client:
     """Client ``client_id`` with its records, loaded here.
@@ -166,7 +171,7 @@ def build_client(cfg: Config, client_id: int, dataset: FederatedDataset, model: 
 
     Raises
     ------
-    ValueError
+    DeclaredSizeMismatch
         When the client holds another number of records than its declared size: the accountant's
         sampling rate ``B / m`` comes from the declared size, so a client with fewer records than
         declared would spend more than is counted.
@@ -177,7 +182,7 @@ def build_client(cfg: Config, client_id: int, dataset: FederatedDataset, model: 
     if data.num_records != declared:
         # The number it holds stays out of the message: the server sees errors, and a count of records
         # is not public unless declared.
-        raise ValueError(f"client {client_id} does not hold the {declared} training records that the dataset's "
+        raise DeclaredSizeMismatch(f"client {client_id} does not hold the {declared} training records that the dataset's "
                          "client_sizes() declares; the accounting needs the true sizes")
     return Client(client_id, data, model, build_scheme(cfg), cfg.optim, plan)
 
