@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import sys
 from pathlib import Path
 
