@@ -143,6 +143,7 @@ class MonitoringConfig:
     metrics_host: str = "127.0.0.1"
     linger_seconds: float = 0.0
     progress: bool = True
+    export_oracle_metrics: bool = False  # oracle metrics (of the training records) on the progress line and Prometheus
 
 
 @dataclass

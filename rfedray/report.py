@@ -12,6 +12,8 @@ from pathlib import Path
 from rfedray.errors import RfedrayError
 
 PRIMARY = ("accuracy", "gap", "loss", "distance")
+PLOTTED = (*PRIMARY, *(f"oracle_{m}" for m in PRIMARY))
+"""The metrics plotted, held-out ones and oracle ones (computed from the training records), by name."""
 
 
 def _rounds(run_dir: Path) -> list[dict]:
@@ -34,14 +36,14 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         return []
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     rounds = [r["round"] + 1 for r in records]
-    names = [m for m in PRIMARY if f"metric_{m}" in records[-1]]
+    names = [m for m in PLOTTED if f"metric_{m}" in records[-1]]
     written = []
     if names:
         fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.3), squeeze=False)
         for ax, name in zip(axes[0], names):
             values = [r.get(f"metric_{name}") for r in records]
             ax.plot(rounds, values)
-            if name in ("gap", "distance") and all(v is not None and v > 0 for v in values):
+            if name.removeprefix("oracle_") in ("gap", "distance") and all(v is not None and v > 0 for v in values):
                 ax.set_yscale("log")
             ax.set_xlabel("round")
             ax.set_ylabel(name)

@@ -50,12 +50,20 @@ class EvalData:
 
     For tasks with held-out test sets this is the union of those sets (not part of any training
     transcript). For synthetic tasks it may be a simulation oracle (e.g. the pooled covariance of
-    federated PCA); ``oracle=True`` marks it so reports and docs can say so.
+    federated PCA), computed from the training records themselves: ``oracle=True`` marks it, and
+    :meth:`labelled` names its metrics ``oracle_*`` wherever they go. A metric of the training
+    records is not covered by the privacy guarantee (replacing one record moves it by far more
+    than its float resolution), so runs keep oracle metrics off the progress line and Prometheus
+    unless ``monitoring.export_oracle_metrics`` is set.
     """
 
     tensors: tuple[Tensor, ...]
     oracle: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def labelled(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        """``metrics`` evaluated on these data, each named ``oracle_<name>`` when they are an oracle."""
+        return {f"oracle_{k}": v for k, v in metrics.items()} if self.oracle else dict(metrics)
 
 
 class FederatedDataset(Protocol):

@@ -9,7 +9,9 @@ One round t:
 4. the server checks and combines the submissions into theta_{t+1} (theta_t stays if none is
    usable);
 5. evaluate, log a line to ``metrics.jsonl``, notify observers (progress, Prometheus), and
-   checkpoint every ``run.checkpoint_every`` rounds.
+   checkpoint every ``run.checkpoint_every`` rounds. Metrics of an oracle (evaluation data computed
+   from the training records, :attr:`rfedray.task.EvalData.oracle`) are named ``oracle_*`` and
+   reach the observers only with ``monitoring.export_oracle_metrics``.
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ class Federation:
             counters["client_failures"] += len(failures)
             counters["submissions_rejected"] += len(rejected)
             if eval_data.tensors and ((t + 1) % cfg.run.evaluate_every == 0 or t + 1 == cfg.run.rounds):
-                last_metrics = self.model.evaluate(theta, eval_data)
+                last_metrics = eval_data.labelled(self.model.evaluate(theta, eval_data))
             record = {
                 "round": t,
                 "cohort_size": len(chosen),
@@ -158,8 +160,9 @@ class Federation:
                 **{f"metric_{k}": v for k, v in last_metrics.items()},
             }
             rd.append_metrics(record)
+            exported = record if cfg.monitoring.export_oracle_metrics else without_oracle_metrics(record)
             for obs in self.observers:
-                obs.on_round(record)
+                obs.on_round(exported)
             if (t + 1) % cfg.run.checkpoint_every == 0 or t + 1 == cfg.run.rounds:
                 checkpoints.save(RunState(theta, t + 1, opt_states, counters, last_metrics), ledger)
         else:
@@ -181,6 +184,7 @@ class Federation:
             "halted": halted,
             "halt_reason": halt_reason,
             "final_metrics": last_metrics,
+            "oracle_metrics": eval_data.oracle,
             "client_failures": counters["client_failures"],
             "submissions_rejected": counters["submissions_rejected"],
             "wall_seconds": time.perf_counter() - started,
@@ -209,6 +213,11 @@ class Federation:
         resolved = replace(self.cfg, privacy=replace(self.cfg.privacy, sigma=self.privacy.sigma))
         self.run_dir.config.write_text(to_yaml(resolved))
         return RunState(initial_params(self.cfg, self.model))
+
+
+def without_oracle_metrics(record: dict) -> dict:
+    """A round record without its oracle metrics (``metric_oracle_*``)."""
+    return {k: v for k, v in record.items() if not k.startswith("metric_oracle_")}
 
 
 def run_federation(cfg: Config, run_dir: RunDirectory, observers: Optional[list] = None,
