@@ -34,6 +34,7 @@ from rfedray.federated.setup import (
     local_plan, resolve_privacy,
 )
 from rfedray.geometry import ProductManifold
+from rfedray.privacy.statement import statement
 from rfedray.task import FederatedDataset, FederatedModel, Params
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,7 @@ class Federation:
             "clip": self.privacy.clip if self.privacy.enabled else None,
             "accountant": self.privacy.accountant if self.privacy.enabled else None,
             "private": self.privacy.enabled,
+            **(statement() if self.privacy.enabled else {}),
             "not_for_production": seeded,
             "halted": halted,
             "halt_reason": halt_reason,

@@ -24,6 +24,7 @@ from rfedray.federated.server import cohort as draw_cohort
 from rfedray.mestimation.engine import Engine
 from rfedray.mestimation.local import ParamLayout, StepPlan
 from rfedray.mestimation.strategies import FedNewton, Strategy
+from rfedray.privacy.statement import statement
 from rfedray.task import FederatedDataset, FederatedModel, Params
 
 
@@ -191,6 +192,7 @@ def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, data
         "epsilon_target": privacy.epsilon, "delta": privacy.delta if privacy.private else None,
         "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
         "accountant": privacy.accountant if privacy.private else None,
+        **(statement() if privacy.private else {}),
         "not_for_production": privacy.noise_seed is not None and privacy.private,
         "halted": halted, "halt_reason": halt_reason, "client_failures": failures,
         "final_metrics": {k: v for k, v in last.items()
