@@ -30,7 +30,7 @@ eigenvalue); raw EEG covariances (~1e-10 V^2) would be clamped whole by eps_R.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +97,10 @@ class SPDNet:
         Of the parameters; inputs are cast to it.
     retraction : StiefelRetraction or its class
         Retraction of the Stiefel groups.
+    init_columns : sequence of int or None
+        Where the first BiMap starts: ``None`` draws ``W_1`` Haar-uniformly on ``St(C, d_1)``; a
+        list of ``d_1`` distinct channel indices starts it at the selection ``W_1 = [e_c1 ... e_cd]``
+        (a point of the Stiefel manifold: ``W_1^T X W_1`` is the covariance of those channels).
     """
 
     gradient_rule = None
@@ -111,6 +115,7 @@ class SPDNet:
         depth: int = 1,
         dtype: torch.dtype = torch.float32,
         retraction: StiefelRetraction | type[StiefelRetraction] = PolarRetraction,
+        init_columns: Optional[Sequence[int]] = None,
     ):
         if not 1 <= d <= channels:
             raise ValueError(f"d={d!r}: must be between 1 and channels ({channels})")
@@ -124,6 +129,12 @@ class SPDNet:
         self.eps_reeig = float(eps_reeig)
         self.dtype = dtype
         self.dims = bimap_dims(channels, d, depth)
+        if init_columns is not None:
+            columns = [int(c) for c in init_columns]
+            if len(columns) != self.dims[1] or len(set(columns)) != len(columns) or not all(0 <= c < channels for c in columns):
+                raise ValueError(f"init_columns={init_columns!r}: must be {self.dims[1]} distinct channel indices in [0, {channels})")
+            init_columns = tuple(columns)
+        self.init_columns = init_columns
         self.features = d * (d + 1) // 2
         self.bimaps = [bimap_group(k) for k in range(1, depth + 1)]
         self.groups = {
@@ -137,8 +148,13 @@ class SPDNet:
         return sum(m.ambient_dim for m in self.groups.values())
 
     def init_params(self, generator: torch.Generator) -> Params:
-        """Haar-random BiMap weights; head weights ``N(0, 1/D)``, bias 0."""
+        """Haar-random BiMap weights (the first one a channel selection if ``init_columns`` is set);
+        head weights ``N(0, 1/D)``, bias 0. The generator draws the same numbers either way."""
         params = {name: self.groups[name].random_point(generator=generator, dtype=torch.float64) for name in self.bimaps}
+        if self.init_columns is not None:
+            first = torch.zeros(self.channels, self.dims[1], dtype=torch.float64)
+            first[list(self.init_columns), range(self.dims[1])] = 1.0
+            params[self.bimaps[0]] = first
         weight = torch.randn(self.num_classes, self.features, generator=generator, dtype=torch.float64)
         bias = torch.zeros(self.num_classes, 1, dtype=torch.float64)
         params[HEAD] = torch.cat([weight / self.features ** 0.5, bias], dim=1)
@@ -189,11 +205,18 @@ class Options:
         ReEig floor; ``None`` takes Table 5's value (1e-4 when the dataset is not in Table 5).
     depth : int
         Number of BiMap layers (the paper: 1).
+    init_channels : list of str or None
+        Start the first BiMap at the selection of these channels (names from
+        ``data.options.channels``; ``d`` is then their number, or must equal it), instead of a
+        Haar-random point. A public prior, not a statistic of the records: e.g. the lateral
+        sensorimotor channels FC3, C3, CP3, FC4, C4, CP4 over which left and right hand imagery
+        differ (contralateral desynchronisation of the mu and beta rhythms).
     """
 
     d: Optional[int] = None
     eps_reeig: Optional[float] = None
     depth: int = 1
+    init_channels: Optional[List[str]] = None
 
     def validate(self, prefix: str) -> None:
         if self.d is not None and self.d < 1:
@@ -202,6 +225,14 @@ class Options:
             raise OptionsError(f"{prefix}.eps_reeig", self.eps_reeig, "must be null (Table 5) or a finite number > 0")
         if self.depth < 1:
             raise OptionsError(f"{prefix}.depth", self.depth, "must be an integer >= 1")
+        if self.init_channels is not None:
+            names = self.init_channels
+            if not names or len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
+                raise OptionsError(f"{prefix}.init_channels", names, "must be null (Haar-random) or a non-empty list of distinct channel names")
+            if self.depth != 1:
+                raise OptionsError(f"{prefix}.init_channels", names, f"needs model.options.depth=1 (got {self.depth})")
+            if self.d is not None and self.d != len(names):
+                raise OptionsError(f"{prefix}.d", self.d, f"must be null or the number of model.options.init_channels ({len(names)})")
 
 
 def build(options: Options, info: dict, retraction: StiefelRetraction | type[StiefelRetraction] = PolarRetraction) -> SPDNet:
@@ -209,8 +240,20 @@ def build(options: Options, info: dict, retraction: StiefelRetraction | type[Sti
     if info.get("representation", "covariance") != "covariance":
         raise OptionsError("data.options.representation", info["representation"], "SPDNet needs covariance inputs")
     paper_d, paper_eps = PAPER_SETTINGS.get(info.get("dataset", ""), DEFAULT_SETTINGS)
-    d = options.d if options.d is not None else paper_d
+    columns = None
+    if options.init_channels is not None:
+        names = info.get("channel_names")
+        if not names:
+            raise OptionsError("model.options.init_channels", options.init_channels,
+                              "needs the channels named by the data (set data.options.channels)")
+        missing = [n for n in options.init_channels if n not in names]
+        if missing:
+            raise OptionsError("model.options.init_channels", options.init_channels,
+                              f"{missing} not among data.options.channels {list(names)}")
+        columns = [list(names).index(n) for n in options.init_channels]
+    d = len(columns) if columns is not None else options.d if options.d is not None else paper_d
     if d > info["channels"]:
         raise OptionsError("model.options.d", d, f"must be <= the number of channels ({info['channels']})")
     eps = options.eps_reeig if options.eps_reeig is not None else paper_eps
-    return SPDNet(info["channels"], info["num_classes"], d, eps, options.depth, DTYPES[info.get("dtype", "float32")], retraction)
+    return SPDNet(info["channels"], info["num_classes"], d, eps, options.depth, DTYPES[info.get("dtype", "float32")], retraction,
+                  init_columns=columns)
