@@ -159,7 +159,7 @@ def test_prirfed_study_at_tiny_scale(tmp_path):
 @needs_physionet
 def test_centralised_study_at_tiny_scale(tmp_path):
     text = check_outputs(tmp_path, get_study("eeg-centralised").run(tmp_path, "tiny", workers=2))
-    assert "N = 113 training trials, B = 8, local_steps = round(N / B) = 14" in text
+    assert "N = 382 training trials, B = 12, local_steps = round(N / B) = 32" in text  # the 17 subjects, half held out
     assert all(0 <= a <= 100 for a in accuracy_cells(json.loads((tmp_path / "results.json").read_text())))
 
 
@@ -180,7 +180,7 @@ def test_federated_study_at_tiny_scale(tmp_path):
     payload = json.loads((tmp_path / "results.json").read_text())
     assert [len(t["rows"]) for t in payload[:2]] == [4, 2]
     assert all(r["ours"]["max epsilon spent"] <= float(r["label"]["target"][2:]) for r in payload[2]["rows"])
-    assert payload[3]["rows"][0]["ours"] == {"n": 5, "smallest m": 22, "largest m": 23}
+    assert payload[3]["rows"][0]["ours"] == {"n": 17, "smallest m": 22, "largest m": 23}
     assert "Qualitative comparison" in text and "paper, BNCI2014_001" in text
 
 
