@@ -159,7 +159,7 @@ def test_prirfed_study_at_tiny_scale(tmp_path):
 @needs_physionet
 def test_centralised_study_at_tiny_scale(tmp_path):
     text = check_outputs(tmp_path, get_study("eeg-centralised").run(tmp_path, "tiny", workers=2))
-    assert "N = 382 training trials, B = 12, local_steps = round(N / B) = 32" in text  # the 17 subjects, half held out
+    assert "N = 379 training trials, B = 12, local_steps = round(N / B) = 32" in text  # the 17 subjects, half held out
     assert all(0 <= a <= 100 for a in accuracy_cells(json.loads((tmp_path / "results.json").read_text())))
 
 
