@@ -211,7 +211,7 @@ class HyperparameterSearch:
             for i, candidate in enumerate(self.candidates(arm, column)):
                 runs = [summaries[(n, arm.label, column, i, s)] for s in range(self.scale.search_seeds)]
                 scores.append((mean_std([100.0 * r["final_metrics"]["accuracy"] for r in runs]), i, candidate))
-            (best, _), i, candidate = max(scores, key=lambda item: (item[0][0], -item[1]))
+            best, i, candidate = max(scores, key=lambda item: (item[0][0], -item[1]))
             chosen[(n, arm.label, column)] = {"candidate": candidate, "validation": best,
                                               "scores": [(c.describe(), m) for (m, _), _, c in scores]}
         return chosen
@@ -617,7 +617,7 @@ class Report:
     # -- output -------------------------------------------------------------------------------
 
     def write(self, out: Path) -> Path:
-        tables = [self.centralised_table()]
+        tables = [self.centralised_table()] if 1 in self.scale.record_groupings else []
         for n in self.scale.groupings:
             tables.append(self.federated_table(n, n, EEGPhysionet.full_arms,
                                                f"Table 7: federated test accuracy (%), {grouping_label(n)}, full participation (k = {n}), "
