@@ -396,6 +396,7 @@ def signal_and_noise(run_dir: str) -> dict[str, Any]:
     from torch.func import grad, vmap
 
     from rfedray.config import load_config
+    from rfedray.federated.rundir import RunDirectory
     from rfedray.federated.setup import build_dataset, build_model, initial_params
 
     cfg = load_config(Path(run_dir) / "config.yaml")
@@ -404,7 +405,7 @@ def signal_and_noise(run_dir: str) -> dict[str, Any]:
     x, y = (torch.cat(t) for t in zip(*(dataset.client_data(i).train for i in range(cfg.federation.n_clients))))
     k, sigma, clip = cfg.federation.clients_per_round, cfg.privacy.sigma, cfg.privacy.clip
     steps = cfg.run.rounds * cfg.federation.local_steps
-    points = {"start": initial_params(cfg, model), "end": torch.load(Path(run_dir) / "final_model.pt")}
+    points = {"start": initial_params(cfg, model), "end": torch.load(RunDirectory(run_dir).final_model)}
     found = {"m (smallest client)": min(dataset.client_sizes()), "B": cfg.federation.batch_size,
              "q = B/m": cfg.federation.batch_size / min(dataset.client_sizes()), "k": k, "steps T tau": steps,
              "sigma": sigma, "C": clip, "noise per coordinate of the cohort's step": sigma / math.sqrt(k)}
