@@ -31,7 +31,7 @@ from rfedray.privacy.ledger import Authorization, PrivacyLedger
 
 @contextmanager
 def user_errors_as_rfedray_errors() -> Iterator[None]:
-    """Re-raise rfedray's user errors as plain :class:`RfedrayError` with the same message.
+    """Re-raise rfedray's user errors as plain :class:`RfedrayError` with the same message and exit status.
 
     Ray pickles an actor's exception to the caller, and the subclasses (``ConfigError``,
     ``PrivacyParameterError``) do not unpickle (their constructors take three arguments).
@@ -40,7 +40,7 @@ def user_errors_as_rfedray_errors() -> Iterator[None]:
         yield
     except RfedrayError as exc:
         plain = RfedrayError(str(exc))
-        plain.exit_code = exc.exit_code  # an instance attribute: it travels with the pickle
+        plain.exit_code = exc.exit_code
         raise plain from None
 
 

@@ -35,7 +35,7 @@ from rfedray.cuda import cuda_report
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import ClientFailure, LocalPlan, LocalResult
 from rfedray.federated.executor import LocalExecutor
-from rfedray.federated.setup import build_dataset, build_model
+from rfedray.federated.setup import GivenTask, build_dataset, build_model
 from rfedray.task import ClientData
 from rfedray.threads import use_threads
 
@@ -95,6 +95,9 @@ class DeviceDataset:
         data = self.dataset.client_data(client_id)
         return ClientData(to_device(data.train, self.device), to_device(data.test, self.device))
 
+    def client_sizes(self) -> list[int]:
+        return self.dataset.client_sizes()
+
 
 class ClientActor:
     """Hosts a block of clients and runs their local training (one Ray actor).
@@ -109,19 +112,32 @@ class ClientActor:
         What every client does in a round.
     threads : int
         torch and BLAS threads of this process (:func:`rfedray.threads.choose_threads`).
+    given : GivenTask, optional
+        The user's model or dataset objects (pickled to this actor), used instead of the
+        configuration's; the dataset's clients are loaded here all the same.
     """
 
-    def __init__(self, cfg: Config, client_ids: Sequence[int], plan: LocalPlan, threads: int):
+    def __init__(self, cfg: Config, client_ids: Sequence[int], plan: LocalPlan, threads: int,
+                 given: Optional[GivenTask] = None):
         use_threads(threads)
         importlib.import_module("torch._dynamo")  # torch.func loads it on first use (seconds): not in round 0's deadline
         self.device = resolve_device(cfg.ray.device)
-        dataset = build_dataset(cfg)
+        dataset = build_dataset(cfg, given)
         if self.device.type != "cpu":
             dataset = DeviceDataset(dataset, self.device)
         self.client_ids = sorted(int(c) for c in client_ids)
-        self._executor = LocalExecutor(cfg, dataset, build_model(cfg, dataset.info), plan)
+        self._executor = LocalExecutor(cfg, dataset, build_model(cfg, dataset.info, given), plan)
         for cid in self.client_ids:
-            self._executor.client(cid)
+            try:
+                self._executor.client(cid)
+            except RfedrayError:
+                raise  # rfedray's own message, which says nothing about the records
+            except Exception as exc:
+                # The data's own message may quote records: it stays in this actor's log, on the client's
+                # node; the server (and the error of the run) learns only its type.
+                log.exception("client %d: loading its records failed", cid)
+                raise RfedrayError(f"client {cid}: {type(exc).__name__} while loading its records (its message is "
+                                   "in the client actor's log, on the client's node)") from None
 
     def train(
         self, cohort: Sequence[int], theta: dict[str, torch.Tensor], round_index: int,
@@ -223,10 +239,16 @@ class ClientPool:
         :func:`rfedray.threads.choose_threads`).
     shape : ClusterShape
         The cluster, already checked to be able to host the actors (:meth:`ClusterShape.check`).
+    given : GivenTask, optional
+        The user's model or dataset objects, sent to every actor.
+    runtime_env : dict, optional
+        Ray runtime environment of the actors (the user's code, :func:`actors.session.user_code_env`).
     """
 
-    def __init__(self, cfg: Config, plan: LocalPlan, blocks: list[list[int]], threads: int, shape: ClusterShape):
+    def __init__(self, cfg: Config, plan: LocalPlan, blocks: list[list[int]], threads: int, shape: ClusterShape,
+                 given: Optional[GivenTask] = None, runtime_env: Optional[dict] = None):
         self.cfg, self.plan, self.blocks, self.threads = cfg, plan, blocks, threads
+        self.given, self.runtime_env = given, runtime_env
         self.placement_group: Optional[PlacementGroup] = None
         self.slot_of = {cid: slot for slot, block in enumerate(blocks) for cid in block}
         self.startup = ClusterWait(cfg, len(blocks), shape)
@@ -260,9 +282,9 @@ class ClientPool:
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=slot)
         actor_cls = RemoteClientActor.options(
             num_cpus=r.num_cpus_per_actor, num_gpus=r.num_gpus_per_actor, max_restarts=r.max_restarts,
-            max_task_retries=0, scheduling_strategy=strategy,
+            max_task_retries=0, scheduling_strategy=strategy, runtime_env=self.runtime_env,
         )
-        return actor_cls.remote(self.cfg, self.blocks[slot], self.plan, self.threads)
+        return actor_cls.remote(self.cfg, self.blocks[slot], self.plan, self.threads, self.given)
 
     def wait_ready(self) -> list[dict]:
         """Block until every actor is up; return their :meth:`ClientActor.describe`.

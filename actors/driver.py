@@ -19,16 +19,17 @@ What runs where (``rfedray run --engine ray``):
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Optional, Sequence
 
 import ray
 
 from actors.server_actor import start_server
-from actors.session import RaySession, check_ray_config
+from actors.session import RaySession, check_ray_config, user_code_env
 from rfedray.config import Config
-from rfedray.errors import RfedrayError
+from rfedray.errors import RfedrayError, RunFailure
 from rfedray.federated.loop import RoundObserver
 from rfedray.federated.rundir import RunDirectory
+from rfedray.federated.setup import GivenTask
 
 POLL_INTERVAL_S = 0.5
 """How often the driver asks the server actor for new round records and warnings."""
@@ -66,7 +67,7 @@ def _follow(server, finished: ray.ObjectRef, observers: Sequence[RoundObserver],
         raise  # a bug: keep the server's traceback
     except ray.exceptions.RayActorError as exc:
         reason = str(exc).strip().splitlines()[0]
-        raise RfedrayError(
+        raise RunFailure(
             f"the federation server actor died ({type(exc).__name__}: {reason}); the run directory keeps the last "
             f"checkpoint and every charge: continue with rfedray run --resume {run_dir.path}"
         ) from None
@@ -75,7 +76,8 @@ def _follow(server, finished: ray.ObjectRef, observers: Sequence[RoundObserver],
     return summary
 
 
-def run_on_ray(cfg: Config, run_dir: RunDirectory, observers: Sequence[RoundObserver], *, resume: bool = False) -> dict:
+def run_on_ray(cfg: Config, run_dir: RunDirectory, observers: Sequence[RoundObserver], *, resume: bool = False,
+               given: Optional[GivenTask] = None) -> dict:
     """Run (or resume) the federation of ``cfg`` on a server actor; relay its progress to ``observers``.
 
     Runs in the driver process; the federation runs in the server actor, on this node (see the
@@ -90,6 +92,8 @@ def run_on_ray(cfg: Config, run_dir: RunDirectory, observers: Sequence[RoundObse
         Get every round record (run-level values only) and the summary, here in the driver.
     resume : bool
         Continue ``run_dir`` from its checkpoint.
+    given : GivenTask, optional
+        The user's model or dataset objects, sent to the server and client actors.
 
     Returns
     -------
@@ -104,7 +108,7 @@ def run_on_ray(cfg: Config, run_dir: RunDirectory, observers: Sequence[RoundObse
     check_ray_config(cfg)
     session = RaySession.open(cfg.ray.address)
     try:
-        server = start_server(cfg, run_dir)
+        server = start_server(cfg, run_dir, given, user_code_env(cfg, given.objects() if given is not None else ()))
         try:
             return _follow(server, server.run.remote(resume), observers, run_dir)
         finally:

@@ -22,7 +22,7 @@ import ray
 from actors.accountant_actor import RemoteLedger, start_accountant
 from actors.client_actor import ClientPool, assign_clients
 from actors.cluster import ClusterShape
-from actors.session import RaySession, check_ray_config
+from actors.session import RaySession, check_ray_config, user_code_env
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import ClientFailure, LocalResult
 from rfedray.federated.loop import Federation
@@ -55,10 +55,12 @@ class RayExecutor:
     session : RaySession
     timeout_s : float
         The round deadline, ``ray.round_timeout_s``.
+    runtime_env : dict, optional
+        Of the client actors (:func:`~actors.session.user_code_env`).
     """
 
-    def __init__(self, session: RaySession, timeout_s: float):
-        self.session, self.timeout_s = session, timeout_s
+    def __init__(self, session: RaySession, timeout_s: float, runtime_env: Optional[dict] = None):
+        self.session, self.timeout_s, self.runtime_env = session, timeout_s, runtime_env
         self.pool: Optional[ClientPool] = None
         self.accountant = None
         self._inflight: dict[int, ray.ObjectRef] = {}
@@ -77,9 +79,9 @@ class RayExecutor:
         shape = ClusterShape.discover()
         blocks = assign_clients(cfg.federation.n_clients, cfg, ray.cluster_resources().get("CPU", 0.0))
         shape.check(cfg, len(blocks))
-        threads = choose_threads(cfg.federation.batch_size, fed.dataset.info["record_shape"],
+        threads = choose_threads(cfg.federation.batch_size, fed.dataset.info.get("record_shape", ()),
                                  max(1, int(cfg.ray.num_cpus_per_actor)), cfg.run.threads)
-        self.pool = ClientPool(cfg, local_plan(cfg, fed.privacy), blocks, threads, shape)
+        self.pool = ClientPool(cfg, local_plan(cfg, fed.privacy), blocks, threads, shape, fed.given, self.runtime_env)
         ledger = fed.make_ledger()
         if ledger is not None:
             fingerprint = accounting_fingerprint(cfg, fed.privacy, fed.sizes)
@@ -181,8 +183,14 @@ class RayExecutor:
         self.session.close()
 
 
-def ray_executor(fed: Federation) -> RayExecutor:
+def ray_executor(fed: Federation, runtime_env: Optional[dict] = None) -> RayExecutor:
     """The Ray executor of ``fed``: Ray connected or started, actors up, accountant attached to ``fed``.
+
+    Parameters
+    ----------
+    fed : Federation
+    runtime_env : dict, optional
+        Of the client actors; by default :func:`~actors.session.user_code_env` of ``fed``.
 
     Raises
     ------
@@ -190,7 +198,14 @@ def ray_executor(fed: Federation) -> RayExecutor:
         When Ray cannot be reached or the actors cannot start (the message names the setting).
     """
     check_ray_config(fed.cfg)
-    executor = RayExecutor(RaySession.open(fed.cfg.ray.address), fed.cfg.ray.round_timeout_s)
+    session = RaySession.open(fed.cfg.ray.address)
+    try:
+        if runtime_env is None:
+            runtime_env = user_code_env(fed.cfg, fed.given.objects() if fed.given is not None else ())
+    except BaseException:
+        session.close()
+        raise
+    executor = RayExecutor(session, fed.cfg.ray.round_timeout_s, runtime_env)
     try:
         executor.start(fed)
     except BaseException:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import ExitStack
+from typing import Optional
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -34,6 +35,7 @@ from actors.engine import ray_executor
 from rfedray.config import Config
 from rfedray.federated.loop import Federation
 from rfedray.federated.rundir import RunDirectory
+from rfedray.federated.setup import GivenTask
 from rfedray.observers import attach_metrics
 
 SERVER_NAMESPACE = "rfedray"
@@ -72,11 +74,17 @@ class ServerActor:
         The token of the driver's lock on it (see :class:`rfedray.federated.rundir.RunLock`).
     cwd : str
         The driver's working directory.
+    given : GivenTask, optional
+        The user's model or dataset objects.
+    runtime_env : dict, optional
+        This actor's runtime environment (the user's code), for the client actors too.
     """
 
-    def __init__(self, cfg: Config, run_dir: str, writer_token: str, cwd: str):
+    def __init__(self, cfg: Config, run_dir: str, writer_token: str, cwd: str, given: Optional[GivenTask] = None,
+                 runtime_env: Optional[dict] = None):
         os.chdir(cwd)
         self.cfg, self.run_dir = cfg, RunDirectory(run_dir, writer_token)
+        self.given, self.runtime_env = given, runtime_env
         self.records: list[dict] = []
         self.relay = WarningRelay()
         for name in RELAYED_LOGGERS:
@@ -93,9 +101,9 @@ class ServerActor:
             reaches the driver intact).
         """
         with user_errors_as_rfedray_errors(), ExitStack() as stack:
-            fed = Federation.prepare(self.cfg, self.run_dir, [self])
+            fed = Federation.prepare(self.cfg, self.run_dir, [self], self.given)
             metrics = attach_metrics(fed, stack)
-            executor = ray_executor(fed)
+            executor = ray_executor(fed, self.runtime_env)
             stack.callback(executor.close)
             self.placement = {
                 "server": {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()},
@@ -122,11 +130,16 @@ class ServerActor:
         return self.records[rounds:], self.relay.lines[warnings:]
 
 
-def start_server(cfg: Config, run_dir: RunDirectory):
-    """The server actor of ``run_dir``, pinned to this (the driver's) node, never restarted."""
+def start_server(cfg: Config, run_dir: RunDirectory, given: Optional[GivenTask] = None,
+                 runtime_env: Optional[dict] = None):
+    """The server actor of ``run_dir``, pinned to this (the driver's) node, never restarted.
+
+    ``given`` (the user's objects) and ``runtime_env`` (the user's code,
+    :func:`actors.session.user_code_env`) go to the server and from it to the client actors.
+    """
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     actor_cls = ray.remote(ServerActor).options(
         name=f"server-{run_dir.run_id}", namespace=SERVER_NAMESPACE, num_cpus=0, max_concurrency=2,
-        max_restarts=0, scheduling_strategy=here,
+        max_restarts=0, scheduling_strategy=here, runtime_env=runtime_env,
     )
-    return actor_cls.remote(cfg, str(run_dir.path), run_dir.writer_token, os.getcwd())
+    return actor_cls.remote(cfg, str(run_dir.path), run_dir.writer_token, os.getcwd(), given, runtime_env)

@@ -10,17 +10,24 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Any, Iterable, Optional
 
 import ray
 
 from rfedray.config import Config, ConfigError
 from rfedray.errors import RfedrayError
+from rfedray.plugins import code_locations
+
+log = logging.getLogger(__name__)
 
 LOCAL_OBJECT_STORE_BYTES = 200 * 1024**2
 """Object store of a Ray instance the driver starts itself (it holds one theta_t per round)."""
+
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+"""The logger of Ray's "Token authentication is enabled for this Ray cluster" warning."""
 
 CONNECT_TIMEOUT_S = 5.0
 REAPER_WAIT_S = 5.0
@@ -79,6 +86,13 @@ class RaySession:
             # The Ray processes this driver starts end with it, even when it is killed.
             reaper = subprocess.Popen([sys.executable, "-m", "actors.reaper", str(os.getpid())], stdin=subprocess.PIPE,
                                       cwd=Path(__file__).resolve().parents[1])
+            # Ray turns token authentication on for a new local instance (RAY_AUTH_MODE unset) and warns
+            # that it did; rfedray's own instance keeps it on, without the warning. (Setting RAY_AUTH_MODE
+            # here instead would not do: Ray read it when it was imported, and a value set now reaches the
+            # GCS it starts but not this process, whose requests the GCS then refuses.)
+            auth_log = logging.getLogger(TOKEN_AUTH_LOGGER)
+            level = auth_log.level
+            auth_log.setLevel(logging.ERROR)
             try:
                 _init_ray(
                     address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
@@ -87,6 +101,8 @@ class RaySession:
             except BaseException:
                 reaper.stdin.close()
                 raise
+            finally:
+                auth_log.setLevel(level)
             return cls(started=True, reaper=reaper)
         if address.startswith("ray://"):
             raise ConfigError(label, address, "Ray Client addresses are not supported: run rfedray on a node of the "
@@ -127,3 +143,23 @@ def check_ray_config(cfg: Config) -> None:
     """
     if cfg.ray.device == "cuda" and cfg.ray.num_gpus_per_actor <= 0:
         raise ConfigError("ray.device", "cuda", "needs ray.num_gpus_per_actor > 0 (e.g. 0.125 packs 8 actors on a GPU)")
+
+
+def user_code_env(cfg: Config, objects: Iterable[Any] = ()) -> Optional[dict]:
+    """The Ray runtime environment that brings the user's code to every node, or None if none is needed.
+
+    Plugins named by import path (``model.name``, ``data.source``) and the classes of ``objects``
+    (the model and dataset given to :func:`rfedray.api.run`) whose modules are not installed in this
+    Python environment (a module beside the user's script, a folder on ``PYTHONPATH``) travel as
+    ``py_modules``: they are uploaded to the cluster once (Ray's own upload of a job's
+    ``py_modules``, since an actor's runtime environment takes package URIs only) and every actor
+    that builds the task imports them on its node. Installed packages are expected on every node,
+    like rfedray itself. Call it connected to Ray.
+    """
+    paths = code_locations(cfg.model.name, cfg.data.source, objects)
+    if not paths:
+        return None
+    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+
+    with tempfile.TemporaryDirectory(prefix="rfedray-py-modules-") as scratch:
+        return upload_py_modules_if_needed({"py_modules": paths}, include_gitignore=True, scratch_dir=scratch, logger=log)

@@ -61,6 +61,12 @@ class AggregationScheme(ABC):
     def combine(manifold: Manifold, theta_t: Tensor, mean: Tensor) -> Tensor:
         """The next global point from ``theta_t`` and the mean of the submissions, shape ``(*shape)``."""
 
+    @staticmethod
+    def displacement(manifold: Manifold, theta_t: Tensor, submission: Tensor) -> Tensor:
+        """The tangent vector at ``theta_t`` a submission stands for, to first order in the local step
+        (``theta_local - theta_t`` projected): the submission itself where it is a tangent vector."""
+        return submission
+
 
 class ProjAvg(AggregationScheme):
     """Average the local iterates in the ambient space and project: ``Pi(mean theta_local)``."""
@@ -74,6 +80,10 @@ class ProjAvg(AggregationScheme):
     @staticmethod
     def combine(manifold: Manifold, theta_t: Tensor, mean: Tensor) -> Tensor:
         return manifold.project(mean)
+
+    @staticmethod
+    def displacement(manifold: Manifold, theta_t: Tensor, submission: Tensor) -> Tensor:
+        return manifold.proj_tangent(theta_t, submission - theta_t)
 
 
 class RLAvg(AggregationScheme):
@@ -158,6 +168,25 @@ def submit(
     product.check_groups("theta_t", theta_t)
     product.check_groups("theta_local", theta_local)
     return {g: scheme.submission(m, theta_t[g], theta_local[g]) for g, m in product.groups.items()}
+
+
+def displacement(
+    scheme: AggregationScheme | type[AggregationScheme],
+    product: ProductManifold,
+    theta_t: Mapping[str, Tensor],
+    submission: Mapping[str, Tensor],
+) -> dict[str, Tensor]:
+    """The tangent displacement at ``theta_t`` a client's submission stands for, group by group
+    (:meth:`AggregationScheme.displacement`): what an observer of the submission learns of the
+    client's local steps, ``-eta sum_j g_j`` to first order.
+
+    Returns
+    -------
+    dict of Tensor
+        ``{group: (*shape_g)}``, tangent at ``theta_t``.
+    """
+    _check_scheme(scheme)
+    return {g: scheme.displacement(m, theta_t[g], submission[g]) for g, m in product.groups.items()}
 
 
 def _normalised_weights(weights: Sequence[float] | None, k: int, like: Tensor) -> Tensor:

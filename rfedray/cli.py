@@ -4,10 +4,13 @@
 
     rfedray run [CONFIG] [key=value ...] [--engine ray|local] [--resume RUN_DIR] [--quiet]
     rfedray config show [CONFIG] [key=value ...]
+    rfedray config init [DIR]
     rfedray privacy calibrate|epsilon|table ...
+    rfedray --version
 
 Every user error (bad config value, missing file, unusable directory) is printed as one line
-``error: ...`` on stderr with exit status 2, never as a traceback.
+``error: ...`` on stderr with exit status 2, never as a traceback; a run that fails once started
+(:class:`~rfedray.errors.RunFailure`) exits with status 1.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import importlib
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
+from rfedray import __version__
 from rfedray.errors import RfedrayError
 
 SUBCOMMAND_MODULES = (
@@ -37,45 +42,44 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume_config(args: argparse.Namespace, run_dir):
-    from rfedray.config import load_config_text, split_items
-
-    if not run_dir.is_file("config.yaml"):
-        raise RfedrayError(f"--resume {run_dir.path}: not a run directory (no config.yaml there)")
-    path, overrides = split_items(args.items)
-    if path is not None:
-        raise RfedrayError("--resume: give key=value overrides only; the config is the run directory's config.yaml")
-    return load_config_text(run_dir.read_bytes("config.yaml"), str(run_dir.config), overrides)
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    from rfedray.config import load_items
-    from rfedray.federated.rundir import RunDirectory, RunDirectoryWriteError, new_run_id
-    from rfedray.runner import run
+    from rfedray.config import load_items, split_items
+    from rfedray.federated.rundir import RunDirectory, new_run_id
+    from rfedray.runner import resume_config, run_discarding_refused
 
     extra = [f"run.engine={args.engine}"] if args.engine else []
     if args.resume:
+        path, overrides = split_items(args.items)
+        if path is not None:
+            raise RfedrayError("--resume: give key=value overrides only; the config is the run directory's config.yaml")
         run_dir = RunDirectory(args.resume)
-        cfg = _resume_config(args, run_dir)
-        if args.engine:
-            cfg.run.engine = args.engine
+        cfg = resume_config(run_dir, [*overrides, *extra])
     else:
         cfg = load_items(args.items, extra)
         run_dir = RunDirectory.create(cfg.run.output_dir, new_run_id(cfg.run.name))
     print(run_dir.path, flush=True)
     args.run_dir = run_dir.path
-    try:
-        summary = run(cfg, run_dir, quiet=args.quiet, resume=bool(args.resume))
-    except RfedrayError as exc:
-        if not args.resume and not run_dir.exists("checkpoint.pt"):
-            # Refused before the run's first checkpoint (nothing charged): leave no empty run directory behind.
-            run_dir.remove_all()
-            if hasattr(exc, "problem"):
-                raise RunDirectoryWriteError(f"{exc.problem}; nothing was charged and the run directory is removed: "
-                                             f"{exc.remedy} and run the command again") from None
-        raise
+    summary = run_discarding_refused(cfg, run_dir, quiet=args.quiet, resume=bool(args.resume))
     if summary.get("halted"):
         print(f"halted: {summary['halt_reason']}", file=sys.stderr)
+    return 0
+
+
+def cmd_config_init(args: argparse.Namespace) -> int:
+    from rfedray.paths import packaged_configs
+
+    folder = Path(args.dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RfedrayError(f"config init {folder}: cannot create the folder ({exc.strerror})") from None
+    for name, source in packaged_configs().items():
+        target = folder / name
+        if target.exists():
+            print(f"kept     {target} (exists)")
+            continue
+        target.write_bytes(source.read_bytes())
+        print(f"written  {target}")
     return 0
 
 
@@ -122,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Record-level differentially private federated learning on Riemannian manifolds, on Ray.",
     )
     parser.add_argument("--verbose", action="store_true", help="log debug information")
+    parser.add_argument("--version", action="version", version=f"rfedray {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     verbose = argparse.ArgumentParser(add_help=False)
@@ -141,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Print the configuration after defaults, file and overrides.")
     show.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]")
     show.set_defaults(func=cmd_config_show)
+    init = config_sub.add_parser("init", help="copy the packaged configurations into a folder, to edit them",
+                                 description="Copy the configurations shipped with rfedray into DIR (existing files are kept).")
+    init.add_argument("dir", nargs="?", default="configs", metavar="DIR", help="where to put them (default: ./configs)")
+    init.set_defaults(func=cmd_config_init)
 
     for module_name in SUBCOMMAND_MODULES:
         importlib.import_module(module_name).register(sub)

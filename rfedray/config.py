@@ -18,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import yaml
 from omegaconf import OmegaConf
@@ -147,6 +147,7 @@ class MonitoringConfig:
     metrics_host: str = "127.0.0.1"
     linger_seconds: float = 0.0
     progress: bool = True
+    export_oracle_metrics: bool = False  # oracle metrics (of the training records) on the progress line and Prometheus
 
 
 @dataclass
@@ -178,9 +179,32 @@ def _all_keys(dc: Any, prefix: str = "") -> list[str]:
     return keys
 
 
+def config_file(path: str | os.PathLike) -> Path:
+    """The YAML file ``path`` names: that file, else the packaged configuration of that name.
+
+    ``fedpca``, ``fedpca.yaml`` and ``configs/fedpca.yaml`` find the configuration shipped with
+    rfedray (:func:`rfedray.paths.packaged_configs`) when there is no such file here, so the
+    commands of the README work from any folder.
+
+    Raises
+    ------
+    ConfigError
+        When neither exists.
+    """
+    from rfedray.paths import packaged_config, packaged_configs
+
+    given = Path(path)
+    if given.is_file():
+        return given
+    packaged = packaged_config(given.name) if str(given.parent) in (".", "configs") else None
+    if packaged is not None:
+        return packaged
+    names = ", ".join(name.removesuffix(".yaml") for name in packaged_configs())
+    raise ConfigError("config", str(path), f"config file not found (packaged configurations: {names})")
+
+
 def _read_yaml(path: Path) -> dict:
-    if not path.is_file():
-        raise ConfigError("config", str(path), "config file not found")
+    path = config_file(path)
     return _parse_yaml(path.read_bytes(), str(path))
 
 
@@ -248,15 +272,20 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def read_layers(path: Optional[str | os.PathLike] = None, overrides: Optional[list[str]] = None) -> dict:
-    """A YAML file (if any) with ``key=value`` overrides merged over it, as a plain nested dict.
+def read_layers(path: Optional[str | os.PathLike | Mapping[str, Any]] = None,
+                overrides: Optional[list[str]] = None) -> dict:
+    """A YAML file (if any) or a dict of sections, with ``key=value`` overrides merged over it, as a
+    plain nested dict.
 
     Raises
     ------
     ConfigError
         For a missing file, a YAML syntax error or an override that is not ``key=value``.
     """
-    data: dict = _read_yaml(Path(path)) if path is not None else {}
+    if isinstance(path, Mapping):
+        data: dict = dict(path)
+    else:
+        data = _read_yaml(Path(path)) if path is not None else {}
     if overrides:
         data = _deep_merge(data, _dotlist_to_dict(overrides))
     return data
@@ -279,8 +308,9 @@ def structured(schema: type, data: dict) -> Any:
     return OmegaConf.to_object(merged)
 
 
-def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[list[str]] = None) -> Config:
-    """Defaults, then a YAML file, then ``key=value`` overrides; validated.
+def load_config(path: Optional[str | os.PathLike | Mapping[str, Any]] = None,
+                overrides: Optional[list[str]] = None) -> Config:
+    """Defaults, then a YAML file (or a dict of sections), then ``key=value`` overrides; validated.
 
     Raises
     ------
@@ -319,6 +349,11 @@ def load_items(items: Sequence[str], extra: Sequence[str] = ()) -> Config:
     """The configuration of ``[CONFIG] [key=value ...]`` with ``extra`` overrides after them."""
     path, overrides = split_items(items)
     return load_config(path, [*overrides, *extra])
+
+
+def to_dict(cfg: Any) -> dict:
+    """A resolved configuration (any schema) as a plain nested dict (what :func:`load_config` takes)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
 
 
 def to_yaml(cfg: Any) -> str:

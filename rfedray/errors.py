@@ -33,3 +33,13 @@ class ConfigError(RfedrayError, ValueError):
     def __reduce__(self):
         # Picklable with its three arguments, so it crosses process (Ray) boundaries intact.
         return (type(self), (self.field, self.value, self.allowed))
+
+
+class RunFailure(RfedrayError):
+    """A run that failed after it started (its server died, its cluster went away): exit status 1.
+
+    Problems with the input (configuration, data, paths) are plain :class:`RfedrayError`, exit
+    status 2, and are refused before anything is charged.
+    """
+
+    exit_code = 1

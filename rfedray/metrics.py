@@ -45,6 +45,9 @@ ROUND_METRIC_GAUGES = {
     "accuracy": "rfedray_test_accuracy",
     "gap": "rfedray_optimality_gap",
     "distance": "rfedray_distance_to_optimum",
+    "oracle_loss": "rfedray_oracle_training_loss",
+    "oracle_gap": "rfedray_oracle_optimality_gap",
+    "oracle_distance": "rfedray_oracle_distance_to_optimum",
 }
 
 _GAUGES = {
@@ -66,6 +69,12 @@ _GAUGES = {
     "rfedray_test_accuracy": "Test accuracy of the global model after the last evaluated round.",
     "rfedray_optimality_gap": "Optimality gap F(theta) - F(theta*) of the global model after the last evaluated round.",
     "rfedray_distance_to_optimum": "Distance of the global model to the optimum after the last evaluated round.",
+    "rfedray_oracle_training_loss": "Loss of the global model on the pooled training records (a simulation oracle, "
+                                    "not covered by the privacy guarantee; only with monitoring.export_oracle_metrics).",
+    "rfedray_oracle_optimality_gap": "Optimality gap on the pooled training records (a simulation oracle, not covered "
+                                     "by the privacy guarantee; only with monitoring.export_oracle_metrics).",
+    "rfedray_oracle_distance_to_optimum": "Distance to the optimum of the pooled training records (a simulation oracle, "
+                                          "not covered by the privacy guarantee; only with monitoring.export_oracle_metrics).",
 }
 _COUNTERS = {
     "rfedray_rounds_completed": "Rounds completed.",
@@ -298,7 +307,9 @@ class RunMetrics:
             Local-training wall time of every answering client (no client identity), each >= 0.
         metrics : mapping of str to float
             Evaluation of the global model; the keys in :data:`ROUND_METRIC_GAUGES` (``loss``,
-            ``accuracy``, ``gap``, ``distance``) are exported, others ignored. May be empty when
+            ``accuracy``, ``gap``, ``distance``, and the oracle ones ``oracle_loss``, ``oracle_gap``,
+            ``oracle_distance``, which the loop hands over only with
+            ``monitoring.export_oracle_metrics``) are exported, others ignored. May be empty when
             the round was not evaluated.
 
         Raises

@@ -3,8 +3,8 @@
 A model or data module declares an ``Options`` dataclass (the schema of ``model.options`` or
 ``data.options``) and a ``build(options, ...)`` function; it never sees the run's configuration.
 :func:`resolve` turns a plain mapping into an ``Options`` instance (unknown keys refused with the
-closest valid one, types checked by OmegaConf, then the dataclass's own ``validate(prefix)``), and
-every problem is an :class:`OptionsError` naming the option, so the CLI prints one line.
+closest valid one, types checked by OmegaConf, required ones present, then the dataclass's own
+``validate(prefix)``), and every problem is an :class:`OptionsError` naming the option, so the CLI prints one line.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import torch
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from rfedray.errors import ConfigError
 
@@ -55,11 +55,12 @@ def resolve(schema: type, options: Mapping[str, Any], prefix: str) -> Any:
         if key not in names:
             raise OptionsError(f"{prefix}.{key}", value, "unknown key" + closest(key, names))
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), dict(options))
+        resolved = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), dict(options)))
+    except MissingMandatoryValue as exc:
+        raise OptionsError(f"{prefix}.{exc.full_key}", None, "is required (it has no default)") from None
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", "") or ""
         raise OptionsError(f"{prefix}.{key}".rstrip("."), getattr(exc, "value", None), str(exc).splitlines()[0]) from None
-    resolved = OmegaConf.to_object(merged)
     check = getattr(resolved, "validate", None)
     if check is not None:
         check(prefix)

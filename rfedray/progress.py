@@ -1,4 +1,8 @@
-"""Console progress of a run: one line redrawn in place on a terminal, one line per round otherwise.
+"""Console progress: a run's round line, and progress bars for long loops (studies, data loading).
+
+A run shows one line redrawn in place on a terminal, one line per round otherwise (its own format:
+epsilon against the target and the evaluation metrics matter more there than a bar). Loops over
+many runs or subjects use :func:`bar`, a ``tqdm`` progress bar on a terminal.
 
 Rounds are numbered from 0, as in the run directory's ``metrics.jsonl``; the display counts them from
 1. On a TTY (and unless ``quiet``) the line is redrawn with a carriage return after every round::
@@ -15,7 +19,9 @@ import math
 import shutil
 import sys
 from collections import deque
-from typing import Mapping, Optional, TextIO
+from typing import Iterable, Mapping, Optional, TextIO, TypeVar
+
+T = TypeVar("T")
 
 _ETA_WINDOW = 10
 
@@ -38,6 +44,20 @@ def _is_tty(stream: TextIO) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError, OSError):
         return False
+
+
+def bar(items: Iterable[T], *, total: Optional[int] = None, desc: str = "", unit: str = "it",
+        stream: Optional[TextIO] = None) -> Iterable[T]:
+    """``items``, with a ``tqdm`` progress bar on ``stream`` (default stderr) when it is a terminal.
+
+    Off a terminal (logs, CI) the items come back without a bar: callers that want a line in the
+    log write it themselves.
+    """
+    from tqdm import tqdm
+
+    stream = sys.stderr if stream is None else stream
+    return tqdm(items, total=total, desc=desc, unit=unit, file=stream, disable=not _is_tty(stream), leave=False,
+                dynamic_ncols=True)
 
 
 class Progress:

@@ -14,6 +14,8 @@ from rfedray.errors import RfedrayError
 from rfedray.federated.rundir import RunDirectory
 
 PRIMARY = ("accuracy", "gap", "loss", "distance")
+PLOTTED = (*PRIMARY, *(f"oracle_{m}" for m in PRIMARY))
+"""The metrics plotted, held-out ones and oracle ones (computed from the training records), by name."""
 
 
 def _rounds(run_dir: RunDirectory) -> list[dict]:
@@ -47,14 +49,14 @@ def write_plots(run_dir: "str | Path | RunDirectory") -> list[str]:
         return []
     summary = json.loads(run_dir.read_bytes("summary.json")) if run_dir.is_file("summary.json") else {}
     rounds = [r["round"] + 1 for r in records]
-    names = [m for m in PRIMARY if f"metric_{m}" in records[-1]]
+    names = [m for m in PLOTTED if f"metric_{m}" in records[-1]]
     written = []
     if names:
         fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.3), squeeze=False)
         for ax, name in zip(axes[0], names):
             values = [r.get(f"metric_{name}") for r in records]
             ax.plot(rounds, values)
-            if name in ("gap", "distance") and all(v is not None and v > 0 for v in values):
+            if name.removeprefix("oracle_") in ("gap", "distance") and all(v is not None and v > 0 for v in values):
                 ax.set_yscale("log")
             ax.set_xlabel("round")
             ax.set_ylabel(name)

@@ -9,22 +9,29 @@ from __future__ import annotations
 
 import logging
 from contextlib import ExitStack
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from rfedray.config import Config
 from rfedray.errors import RfedrayError
-from rfedray.federated.rundir import RunDirectory
+from rfedray.federated.rundir import RunDirectory, RunDirectoryWriteError
 from rfedray.federated.storage import describe_holder
 from rfedray.observers import ProgressObserver, attach_metrics
+
+if TYPE_CHECKING:
+    from rfedray.federated.setup import GivenTask
 
 log = logging.getLogger(__name__)
 
 
-def run(cfg: Config, run_dir: RunDirectory, *, quiet: bool = False, resume: bool = False) -> dict:
+def run(cfg: Config, run_dir: RunDirectory, *, quiet: bool = False, resume: bool = False,
+        given: Optional[GivenTask] = None) -> dict:
     """Run ``cfg`` into ``run_dir`` on the configured engine, write the plots, return the summary.
 
     This process (the driver) holds the run directory's lock for the whole run: a second
     ``rfedray run --resume`` of the same directory is refused, naming this one. The run's
     writers (here, or the Ray server and accountant actors) write under the lock's token.
+    ``given`` holds the user's model or dataset objects when the run was started from Python
+    (:func:`rfedray.api.run`).
 
     Raises
     ------
@@ -37,7 +44,7 @@ def run(cfg: Config, run_dir: RunDirectory, *, quiet: bool = False, resume: bool
     with run_dir.lock() as lock:
         # Refuse bad data, privacy settings and run directories here, before anything is written
         # (and, on the Ray engine, before Ray starts: the server builds the federation again).
-        fed = Federation.prepare(cfg, run_dir)
+        fed = Federation.prepare(cfg, run_dir, given=given)
         if resume:
             fed.check_resume()
         if lock.previous_holder_died():
@@ -48,7 +55,7 @@ def run(cfg: Config, run_dir: RunDirectory, *, quiet: bool = False, resume: bool
         if cfg.run.engine == "ray":
             from actors.driver import run_on_ray
 
-            summary = run_on_ray(cfg, run_dir, observers, resume=resume)
+            summary = run_on_ray(cfg, run_dir, observers, resume=resume, given=given)
         else:
             fed.observers.extend(observers)
             summary = run_local(fed, resume=resume)
@@ -60,6 +67,36 @@ def run(cfg: Config, run_dir: RunDirectory, *, quiet: bool = False, resume: bool
     return summary
 
 
+def run_discarding_refused(cfg: Config, run_dir: RunDirectory, *, quiet: bool = False, resume: bool = False,
+                           given: Optional[GivenTask] = None) -> dict:
+    """:func:`run`, removing a new run directory that a run refused before its first checkpoint left
+    (nothing was charged then)."""
+    try:
+        return run(cfg, run_dir, quiet=quiet, resume=resume, given=given)
+    except RfedrayError as exc:
+        if not resume and not run_dir.exists("checkpoint.pt"):
+            run_dir.remove_all()
+            if hasattr(exc, "problem"):
+                raise RunDirectoryWriteError(f"{exc.problem}; nothing was charged and the run directory is removed: "
+                                             f"{exc.remedy} and run the command again") from None
+        raise
+
+
+def resume_config(run_dir: RunDirectory, overrides: Sequence[str]) -> Config:
+    """The configuration of a run directory (its ``config.yaml``) with ``key=value`` overrides.
+
+    Raises
+    ------
+    RfedrayError
+        When ``run_dir`` has no ``config.yaml``.
+    """
+    from rfedray.config import load_config_text
+
+    if not run_dir.is_file("config.yaml"):
+        raise RfedrayError(f"--resume {run_dir.path}: not a run directory (no config.yaml there)")
+    return load_config_text(run_dir.read_bytes("config.yaml"), str(run_dir.config), list(overrides))
+
+
 def run_local(fed, *, resume: bool = False) -> dict:
     """The whole federation ``fed`` in this process, metrics endpoint included; return the summary.
 
@@ -68,7 +105,8 @@ def run_local(fed, *, resume: bool = False) -> dict:
     from rfedray.threads import available_cpus, choose_threads, use_threads
 
     cfg = fed.cfg
-    use_threads(choose_threads(cfg.federation.batch_size, fed.dataset.info["record_shape"], available_cpus(), cfg.run.threads))
+    use_threads(choose_threads(cfg.federation.batch_size, fed.dataset.info.get("record_shape", ()), available_cpus(),
+                               cfg.run.threads))
     with ExitStack() as stack:
         attach_metrics(fed, stack)
         executor = fed.local_executor()

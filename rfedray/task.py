@@ -2,7 +2,10 @@
 partitioned over clients.
 
 The federated core (:mod:`rfedray.federated`) only talks to these two interfaces, so a new model or
-data source is a new module registered in :mod:`rfedray.registry`, nothing else.
+data source is a new module registered in :mod:`rfedray.registry`, nothing else; the user's own
+are objects given to :func:`rfedray.api.run` or plugins named by import path
+(:mod:`rfedray.plugins`). Your own data subclasses :class:`ClientPartitions`; your own
+``torch.nn.Module`` becomes a model through :class:`rfedray.models.module.ModuleModel`.
 
 Parameters of a model are a ``dict[str, Tensor]`` (a point of a product manifold, one factor per
 group). Records of a client are a tuple of tensors with the record index as the leading dimension,
@@ -11,6 +14,7 @@ e.g. ``(z,)`` with ``z`` of shape ``(m, d)`` for federated PCA or ``(X, y)`` for
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
@@ -46,12 +50,20 @@ class EvalData:
 
     For tasks with held-out test sets this is the union of those sets (not part of any training
     transcript). For synthetic tasks it may be a simulation oracle (e.g. the pooled covariance of
-    federated PCA); ``oracle=True`` marks it so reports and docs can say so.
+    federated PCA), computed from the training records themselves: ``oracle=True`` marks it, and
+    :meth:`labelled` names its metrics ``oracle_*`` wherever they go. A metric of the training
+    records is not covered by the privacy guarantee (replacing one record moves it by far more
+    than its float resolution), so runs keep oracle metrics off the progress line and Prometheus
+    unless ``monitoring.export_oracle_metrics`` is set.
     """
 
     tensors: tuple[Tensor, ...]
     oracle: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def labelled(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        """``metrics`` evaluated on these data, each named ``oracle_<name>`` when they are an oracle."""
+        return {f"oracle_{k}": v for k, v in metrics.items()} if self.oracle else dict(metrics)
 
 
 class FederatedDataset(Protocol):
@@ -68,6 +80,49 @@ class FederatedDataset(Protocol):
 
     def eval_data(self) -> EvalData:
         """What the server evaluates on."""
+
+
+class ClientPartitions(ABC):
+    """Base class of the user's own federated data: client sizes up front, records loaded per client.
+
+    The two halves of the interface live in different places. :meth:`client_sizes` is public
+    metadata, read once where the run starts: the accountant's sampling rate ``B / m`` of every
+    client comes from it (a client whose records do not number its declared size is refused). The
+    records are loaded by :meth:`client_data`, called only in the process that hosts the client (a
+    client actor on the Ray engine, the driver on the local engine), so they never travel. The
+    object itself travels (pickled to every actor, or built there again from a plugin's options):
+    keep in it how to load the records (paths, seeds), not the records.
+
+    Subclasses implement :meth:`client_sizes`, :meth:`client_data` and, if the server evaluates
+    the model, :meth:`eval_data`; they may set :attr:`info`, the public description models read
+    (e.g. ``num_classes``). ``num_clients`` is the number of sizes.
+
+    Attributes
+    ----------
+    info : dict
+        Public facts about the data that a model factory may need (shapes, classes); no records.
+        ``record_shape``, the shape of one record's first tensor, lets rfedray choose the threads
+        of the processes that train (:mod:`rfedray.threads`); without it they train with one
+        thread unless ``run.threads`` says otherwise.
+    """
+
+    info: dict[str, Any] = {}
+
+    @abstractmethod
+    def client_sizes(self) -> list[int]:
+        """Number of training records of every client, in client order (public metadata)."""
+
+    @abstractmethod
+    def client_data(self, client_id: int) -> ClientData:
+        """Load the records of client ``client_id`` (in the process hosting it), deterministically."""
+
+    def eval_data(self) -> EvalData:
+        """What the server evaluates the global model on: nothing unless overridden."""
+        return EvalData(())
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_sizes())
 
 
 class FederatedModel(Protocol):

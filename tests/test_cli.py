@@ -61,7 +61,8 @@ def test_run_writes_the_contracted_run_directory(tmp_path):
         assert key in summary
     assert summary["rounds_completed"] == 4
     assert 0 < summary["epsilon_spent"] <= summary["epsilon_target"]
-    assert isinstance(summary["final_metrics"], dict) and "gap" in summary["final_metrics"]
+    assert isinstance(summary["final_metrics"], dict) and "oracle_gap" in summary["final_metrics"]
+    assert summary["oracle_metrics"] is True
     assert (run_dir / "config.yaml").is_file()
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 4
     # --quiet and a non-terminal stderr: one plain line per round

@@ -20,6 +20,10 @@ from rfedray.models import spdnet
 
 
 SHARED_EEG = DATASETS["PhysionetMI"].default_path
+FIVE = [1, 2, 3, 4, 5]
+SENSORIMOTOR = ["FC5", "FC3", "FC1", "FCz", "FC2", "FC4", "FC6", "C5", "C3", "C1", "Cz", "C2", "C4", "C6",
+                "CP5", "CP3", "CP1", "CPz", "CP2", "CP4", "CP6"]
+"""The first 21 channels of PhysionetMI, in MOABB's (the EDF files') order."""
 
 
 def _refuse(*args, **kwargs):
@@ -43,8 +47,9 @@ def physionet_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("eeg-cache")
 
 
-def physionet(cache, **options):
-    return eeg.build(eeg.Options(dataset="PhysionetMI", cache_dir=str(cache), **options), n_clients=5, seed=0)
+def physionet(cache, n_clients=5, seed=0, **options):
+    options = {"subjects": FIVE, **options}
+    return eeg.build(eeg.Options(dataset="PhysionetMI", cache_dir=str(cache), **options), n_clients=n_clients, seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -151,12 +156,14 @@ def test_moabb_options_validation():
     bad = [("dataset", {"dataset": "BNCI2015_001"}), ("representation", {"representation": "tangent"}),
            ("subjects", {"dataset": "BNCI2014_001", "subjects": [10]}), ("subjects", {"subjects": []}),
            ("fmax", {"fmax": 70.0}), ("fmin", {"fmin": 40.0}), ("n_times", {"n_times": 400}),
-           ("estimator", {"estimator": "scm"}), ("test_fraction", {"test_fraction": 0.0}), ("dtype", {"dtype": "int8"})]
+           ("estimator", {"estimator": "scm"}), ("test_fraction", {"test_fraction": 0.0}), ("dtype", {"dtype": "int8"}),
+           ("channels", {"channels": []}), ("channels", {"channels": ["C3", "C3"]}), ("channels", {"channels": ["C3", ""]}),
+           ("evaluate_on", {"evaluate_on": "train"}), ("validation_fraction", {"validation_fraction": 1.0})]
     for field, options in bad:
         with pytest.raises(OptionsError, match=f"data.options.{field}"):
             eeg.Options(**options).validate("data.options")
     with pytest.raises(OptionsError, match="federation.n_clients"):
-        eeg.build(eeg.Options(), n_clients=6, seed=0)
+        eeg.build(eeg.Options(), n_clients=18, seed=0)  # the 17 subjects of the offline copy
     resolved = registry.resolve_options(registry.data_module("moabb"), {"dataset": "Cho2017", "subjects": [1, 2]}, "data.options")
     assert resolved == eeg.Options(dataset="Cho2017", subjects=[1, 2])
 
@@ -175,11 +182,13 @@ def test_cache_key_hashes_every_preprocessing_parameter(tmp_path):
     digests = {
         eeg.build(eeg.Options(**base, **change), n_clients=5, seed=0).cache.digest
         for change in [{}, {"fmin": 7.0}, {"fmax": 31.0}, {"resample": 100.0}, {"n_times": 300},
-                       {"estimator": "lwf"}, {"representation": "raw"}, {"dataset": "Cho2017"}]
+                       {"estimator": "lwf"}, {"representation": "raw"}, {"dataset": "Cho2017"}, {"channels": ["C3", "C4"]},
+                       {"channels": ["C4", "C3"]}]
     }
-    assert len(digests) == 8
+    assert len(digests) == 10
     same = {eeg.build(eeg.Options(**base, **change), n_clients=5, seed=0).cache.digest
-            for change in [{}, {"test_fraction": 0.3}, {"split_seed": 3}, {"dtype": "float64"}, {"data_path": "/x"}]}
+            for change in [{}, {"test_fraction": 0.3}, {"split_seed": 3}, {"dtype": "float64"}, {"data_path": "/x"},
+                           {"evaluate_on": "validation"}, {"validation_fraction": 0.4}, {"subjects": [2, 3, 4, 5, 6]}]}
     assert len(same) == 1
 
 
@@ -220,7 +229,7 @@ def test_physionet_second_load_hits_the_cache(real_covariances, monkeypatch):
         raise AssertionError("the second load must come from the cache")
 
     monkeypatch.setattr(eeg, "load_subject_trials", no_moabb)
-    again = eeg.build(dataset.options, n_clients=5, seed=0)
+    again = physionet(dataset.options.cache_dir, test_fraction=0.5, split_seed=0)
     for client, fresh in zip(clients, (again.client_data(i) for i in range(5))):
         torch.testing.assert_close(client.train[0], fresh.train[0])
         torch.testing.assert_close(client.test[1], fresh.test[1])
@@ -256,3 +265,87 @@ def test_centralised_spdnet_beats_chance_on_held_out_trials(real_covariances):
     p_value = binomtest(correct, n, 0.5, alternative="greater").pvalue
     print(f"centralised SPDNet on PhysionetMI: train {x.shape[0]}, test {n}, accuracy {metrics['accuracy']:.3f}, p = {p_value:.2g}")
     assert p_value < 0.01
+
+
+@settings(max_examples=40, deadline=None)
+@given(counts=st.lists(st.integers(2, 30), min_size=2, max_size=4), test=st.floats(0.1, 0.7), validation=st.floats(0.1, 0.6),
+       seeds=st.tuples(st.integers(0, 2**31), st.integers(0, 2**31)))
+def test_validation_split_is_cut_from_the_training_records_only(counts, test, validation, seeds):
+    """The search's records (train and validation) are the real runs' training records, split in two;
+    the test split is the same with and without a validation split, and never returned by it."""
+    labels = np.random.default_rng(seeds[0]).permutation(np.repeat(np.arange(len(counts)), counts))
+    real = eeg.Holdout(test, seeds[0])
+    search = eeg.Holdout(test, seeds[0], validation, seeds[1])
+    train, held = real.indices(labels, (7,))
+    kept, val = search.indices(labels, (7,))
+    assert np.array_equal(np.sort(np.concatenate([kept, val])), train)
+    assert not set(val) & set(held) and not set(kept) & set(held)
+    assert np.array_equal(np.bincount(labels[val], minlength=len(counts)),
+                          eeg.held_out_counts(np.bincount(labels[train], minlength=len(counts)), validation))
+    assert kept.size == search.train_size(labels) and train.size == real.train_size(labels)
+    other = eeg.Holdout(test, seeds[0], validation, seeds[1] + 1).indices(labels, (7,))
+    assert np.array_equal(np.sort(np.concatenate(other)), train)  # another search seed: another cut of the same records
+
+
+def test_physionet_test_split_does_not_depend_on_the_grouping(real_covariances):
+    """Splits are per subject: the pooled test set is the same with 5 clients of 1 subject and 2 of 2-3."""
+    dataset, _ = real_covariances
+    grouped = physionet(dataset.options.cache_dir, n_clients=2, test_fraction=0.5, split_seed=0)
+    assert grouped.info["subjects"] == [[1, 2, 3], [4, 5]]
+    five, two = dataset.eval_data().tensors, grouped.eval_data().tensors
+    torch.testing.assert_close(five[0], two[0])
+    torch.testing.assert_close(five[1], two[1])
+    assert grouped.client_sizes() == [sum(dataset.client_sizes()[:3]), sum(dataset.client_sizes()[3:])]
+
+
+def test_physionet_validation_split_sets_the_test_split_aside(real_covariances):
+    dataset, clients = real_covariances
+    search = physionet(dataset.options.cache_dir, seed=3, test_fraction=0.5, split_seed=0, evaluate_on="validation",
+                       validation_fraction=0.25)
+    assert search.info["evaluated_on"] == "validation"
+    sizes = search.client_sizes()
+    for i, client in enumerate(clients):
+        found = search.client_data(i)
+        assert found.train[0].shape[0] == sizes[i] and sizes[i] + found.test[0].shape[0] == client.train[0].shape[0]
+        training = {x.numpy().tobytes() for x in client.train[0]}
+        held = {x.numpy().tobytes() for x in client.test[0]}
+        searched = {x.numpy().tobytes() for x in torch.cat([found.train[0], found.test[0]])}
+        assert searched == training and not searched & held
+
+
+def test_physionet_channels_are_moabbs_rows(offline, physionet_cache):
+    """Naming channels picks exactly those rows of the all-channel trials (band-pass is per channel)."""
+    picked = physionet(physionet_cache, n_clients=1, representation="raw", subjects=[1], channels=["C4", "C3"])
+    everything = physionet(physionet_cache, n_clients=1, representation="raw", subjects=[1])
+    assert picked.info["record_shape"] == (2, 384) and picked.info["channel_names"] == ["C4", "C3"]
+    x, all_x = picked.subject_arrays(1)[0], everything.subject_arrays(1)[0]
+    np.testing.assert_allclose(x, all_x[:, [SENSORIMOTOR.index("C4"), SENSORIMOTOR.index("C3")]], rtol=1e-5, atol=1e-4)
+    with pytest.raises(OptionsError, match="data.options.channels"):
+        physionet(physionet_cache, n_clients=1, representation="raw", subjects=[1], channels=["C3", "Xx9"]).subject_arrays(1)
+
+
+@pytest.mark.slow
+def test_all_17_physionet_subjects_load_offline_with_the_annotated_labels(offline, physionet_cache):
+    """The 17 subjects of the offline copy: 45 imagined-fist cues each, labels from the EDF
+    annotations (T1 = left fist = 0, T2 = right fist = 1, read here with MNE, not MOABB), and the
+    clients of the 17-client and 6-client federations with half of every subject's trials held out."""
+    import mne
+    from mne.datasets import eegbci
+
+    dataset = physionet(physionet_cache, n_clients=17, subjects=list(range(1, 18)), test_fraction=0.5, split_seed=0,
+                        channels=SENSORIMOTOR)
+    assert dataset.info["subjects"] == [[s] for s in range(1, 18)] and dataset.info["record_shape"] == (21, 21)
+    for subject in range(1, 18):
+        _, labels = dataset.subject_arrays(subject)
+        annotated = []
+        for path in eegbci.load_data(subjects=subject, runs=[4, 8, 12], path=str(SHARED_EEG), update_path=False, verbose=False):
+            described = mne.io.read_raw_edf(path, preload=False, verbose=False).annotations.description
+            annotated += [0 if d == "T1" else 1 for d in described if d in ("T1", "T2")]
+        assert labels.tolist() == annotated, subject
+        assert len(labels) == 45 and sorted(np.bincount(labels).tolist()) in ([21, 24], [22, 23]), subject
+    sizes = dataset.client_sizes()
+    assert all(size in (22, 23) for size in sizes) and sum(sizes) == 17 * 45 - dataset.eval_data().tensors[1].shape[0]
+    six = physionet(physionet_cache, n_clients=6, subjects=list(range(1, 18)), test_fraction=0.5, split_seed=0,
+                    channels=SENSORIMOTOR)
+    assert [len(g) for g in six.info["subjects"]] == [3, 3, 3, 3, 3, 2]
+    assert six.client_sizes() == [sum(sizes[i:i + 3]) for i in range(0, 15, 3)] + [sum(sizes[15:])]

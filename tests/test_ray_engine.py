@@ -83,7 +83,7 @@ def test_same_model_and_epsilon_as_local_engine(tmp_path):
     assert all(torch.equal(theta_local[k], theta_ray[k]) for k in theta_local)
     assert remote["epsilon_spent"] == local["epsilon_spent"] > 0
     assert remote["engine"] == "ray" and remote["client_failures"] == 0
-    keep = ("round", "answered", "failed", "epsilon_spent", "metric_gap")
+    keep = ("round", "answered", "failed", "epsilon_spent", "metric_oracle_gap")
     def rounds(rd):
         return [{k: r[k] for k in keep} for r in rd.read_metrics()]
 

@@ -87,7 +87,7 @@ def test_no_client_value_leaks_through_metrics_logs_or_summary(tmp_path):
     # metrics.jsonl and summary.json hold only run-level values: no per-client keys.
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     allowed = {"round", "cohort_size", "answered", "failed", "rejected", "epsilon_spent", "round_seconds",
-               "aggregation_seconds", "local_train_seconds", "metric_loss", "metric_gap", "metric_distance"}
+               "aggregation_seconds", "local_train_seconds", "metric_oracle_loss", "metric_oracle_gap", "metric_oracle_distance"}
     for record in records:
         assert set(record) <= allowed, set(record) - allowed
         assert record["local_train_seconds"] == sorted(record["local_train_seconds"])  # no client order

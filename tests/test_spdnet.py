@@ -212,3 +212,51 @@ def test_options_and_build_errors():
         SPDNet(8, 2, 4, -1.0)
     resolved = registry.resolve_options(registry.model_module("spdnet"), {"d": 8, "eps_reeig": 1e-4}, "model.options")
     assert resolved == spdnet.Options(d=8, eps_reeig=1e-4, depth=1)
+
+
+LAPLACIANS = [{"C3": 1.0, "FC3": -0.25, "CP3": -0.25, "C1": -0.25, "C5": -0.25},
+              {"C4": 1.0, "FC4": -0.25, "CP4": -0.25, "C2": -0.25, "C6": -0.25}]
+NAMES = ["FC5", "FC3", "FC1", "FCz", "FC2", "FC4", "FC6", "C5", "C3", "C1", "Cz", "C2", "C4", "C6",
+         "CP5", "CP3", "CP1", "CPz", "CP2", "CP4", "CP6"]
+
+
+def test_init_filters_start_the_bimap_at_the_named_spatial_filters():
+    """Small Laplacians at C3 and C4: unit columns with weight 4/sqrt(20) at the centre, -1/sqrt(20) at
+    each of the four neighbours, and the covariance of the filtered signals is ``W^T X W``."""
+    options = registry.resolve_options(registry.model_module("spdnet"), {"init_filters": LAPLACIANS, "scale_free": True}, "model.options")
+    model = spdnet.build(options, {**info(21, 2), "channel_names": NAMES})
+    w = model.init_params(torch.Generator().manual_seed(0))["bimap"]
+    assert w.shape == (21, 2) and model.d == 2 and model.num_parameters == 21 * 2 + 2 * 4
+    assert w[NAMES.index("C3"), 0] == pytest.approx(4 / 20 ** 0.5) and w[NAMES.index("CP3"), 0] == pytest.approx(-1 / 20 ** 0.5)
+    assert w[NAMES.index("C4"), 0] == 0 and (w[:, 1] != 0).sum() == 5
+    torch.testing.assert_close(w.T @ w, torch.eye(2, dtype=torch.float64))
+    selection = spdnet.build(spdnet.Options(init_filters=[{"C4": 2.0}, {"C3": 1.0}]), {**info(21, 2), "channel_names": NAMES})
+    x = random_spd(21, 3, torch.Generator().manual_seed(1))
+    z = bimap(x, selection.init_params(torch.Generator().manual_seed(0))["bimap"])
+    torch.testing.assert_close(z, x[:, [12, 8]][:, :, [12, 8]])
+    bad = [([{"C3": 1.0}, {"C3": 1.0, "C4": 1.0}], "orthogonal"), ([{"Xx9": 1.0}], "not among"), ([{"C3": 0.0}], "not all zero"),
+           ([], "non-empty")]
+    for filters, message in bad:
+        with pytest.raises(OptionsError, match=f"model.options.init_filters.*{message}"):
+            spdnet.Options(init_filters=filters).validate("model.options")
+            spdnet.build(spdnet.Options(init_filters=filters), {**info(21, 2), "channel_names": NAMES})
+    with pytest.raises(OptionsError, match="set data.options.channels"):
+        spdnet.build(spdnet.Options(init_filters=LAPLACIANS), info(21, 2))
+    with pytest.raises(OptionsError, match="model.options.d"):
+        spdnet.Options(init_filters=LAPLACIANS, d=3).validate("model.options")
+
+
+def test_scale_free_features_ignore_each_records_scale():
+    """With ``scale_free`` a record scaled by c > 0 has the same features (per record, no other
+    record involved); without it the diagonal features move by log c."""
+    x = random_spd(6, 4, torch.Generator().manual_seed(2))
+    scales = torch.tensor([0.01, 1.0, 3.0, 100.0], dtype=torch.float64)[:, None, None]
+    for scale_free in (True, False):
+        model = SPDNet(6, 2, 3, 1e-6, dtype=torch.float64, scale_free=scale_free)
+        params = model.init_params(torch.Generator().manual_seed(0))
+        moved = model.tangent_features(params, scales * x) - model.tangent_features(params, x)
+        diagonal = torch.triu_indices(3, 3)[0] == torch.triu_indices(3, 3)[1]
+        expected = torch.zeros_like(moved) if scale_free else torch.log(scales[:, :, 0]) * diagonal.double()
+        torch.testing.assert_close(moved, expected, atol=1e-8, rtol=0)
+    one = model.tangent_features(params, x[0])
+    torch.testing.assert_close(one, model.tangent_features(params, x)[0])

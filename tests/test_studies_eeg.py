@@ -159,7 +159,7 @@ def test_prirfed_study_at_tiny_scale(tmp_path):
 @needs_physionet
 def test_centralised_study_at_tiny_scale(tmp_path):
     text = check_outputs(tmp_path, get_study("eeg-centralised").run(tmp_path, "tiny", workers=2))
-    assert "N = 113 training trials, B = 8, local_steps = round(N / B) = 14" in text
+    assert "N = 379 training trials, B = 12, local_steps = round(N / B) = 32" in text  # the 17 subjects, half held out
     assert all(0 <= a <= 100 for a in accuracy_cells(json.loads((tmp_path / "results.json").read_text())))
 
 
@@ -180,7 +180,7 @@ def test_federated_study_at_tiny_scale(tmp_path):
     payload = json.loads((tmp_path / "results.json").read_text())
     assert [len(t["rows"]) for t in payload[:2]] == [4, 2]
     assert all(r["ours"]["max epsilon spent"] <= float(r["label"]["target"][2:]) for r in payload[2]["rows"])
-    assert payload[3]["rows"][0]["ours"] == {"n": 5, "smallest m": 22, "largest m": 23}
+    assert payload[3]["rows"][0]["ours"] == {"n": 17, "smallest m": 22, "largest m": 23}
     assert "Qualitative comparison" in text and "paper, BNCI2014_001" in text
 
 
@@ -189,3 +189,25 @@ def test_report_puts_the_paper_values_beside_ours():
     table = Table("t", [Row(label={"arm": "SPDNet ProjAvg"}, ours={"ε=20": eeg.MeanStd((44.0, 1.0))},
                                     paper={"ε=20": eeg.PaperValue(*eeg.TABLE7["BNCI2014_001"]["SPDNet ProjAvg"][1])})])
     assert "| SPDNet ProjAvg | 44.0 ± 1.0 | 43.3 ± 1.9 | +1.6% |" in table.markdown()
+
+
+def test_physionet_study_searches_on_validation_splits_and_tests_on_one_fixed_split():
+    """Issue 20's search: every search run evaluates the validation split cut from the training
+    trials, no test run does, and every run (search or test) holds out the same test split."""
+    from rfedray.studies.eeg_physionet import SCALES as PHYSIONET_SCALES
+    from rfedray.studies.eeg_physionet import SEARCH_SEED0, HyperparameterSearch
+
+    study, scale = get_study("eeg-physionet"), PHYSIONET_SCALES["tiny"]
+    search = HyperparameterSearch(study, scale)
+    settings = study.settings(scale)
+    jobs = search.jobs(settings)
+    chosen = {(n, arm.label, column): {"candidate": search.candidates(arm, column)[0]} for n, arm, column in settings}
+    plan = study.plan(scale, chosen)
+
+    def last(overrides, key):
+        return [o.split("=", 1)[1] for o in overrides if o.startswith(key + "=")][-1]
+
+    assert all(last(o, "data.options.evaluate_on") == "validation" and int(last(o, "run.seed")) >= SEARCH_SEED0 for o in jobs.values())
+    assert not any(any(x.startswith("data.options.evaluate_on=") for x in o) for o in plan.values())
+    assert {int(last(o, "run.seed")) for o in plan.values()} == set(range(scale.seeds))
+    assert {last(o, "data.options.split_seed") for o in [*jobs.values(), *plan.values()]} == {"0"}

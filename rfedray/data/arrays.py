@@ -161,7 +161,7 @@ class ClassificationTask(LabelledTask):
         bad = np.flatnonzero((y < 0) | (y >= num_classes))
         if bad.size:
             i = int(bad[0])
-            return f"record {i} has label {int(y[i])}, outside [0, {num_classes}) (data.options.num_classes={num_classes})"
+            return f"record {i} has a label outside [0, {num_classes}) (data.options.num_classes={num_classes})"
         return None
 
     @staticmethod

@@ -8,12 +8,14 @@ name           subjects  C    K    native  window after cue (s)  T at 128   MOAB
 BNCI2014_001   9         22   4    250 Hz  2-6                   513        MotorImagery (4)
 Weibo2014      10        60   7    200 Hz  3-7                   513        MotorImagery (7)
 Cho2017        52        64   2    512 Hz  0-3                   384        LeftRightImagery
-PhysionetMI    1-5 (*)   64   2    160 Hz  0-3                   384        LeftRightImagery
+PhysionetMI    1-17 (*)  64   2    160 Hz  0-3                   384        LeftRightImagery
 =============  ========  ===  ===  ======  ====================  =========  ====================
 
-(*) PhysionetMI has 109 subjects; the default is the five of the offline copy in
-``shared/data/eegmmidb`` (imagined left vs right fist, runs 4, 8 and 12 only), each one a client.
-Its window is MOABB's ``[0, 3]`` s, cut to 384 samples at 128 Hz exactly as Cho2017's.
+(*) PhysionetMI has 109 subjects; the default is the 17 of the offline copy in
+``shared/data/eegmmidb`` (S001-S017, imagined left vs right fist, runs 4, 8 and 12 only: 45 cues a
+subject, T1 = left fist, T2 = right fist, MOABB's ``left_hand`` and ``right_hand``). Its window is
+MOABB's ``[0, 3]`` s after the cue (the cue lasts 4.1 s), cut to 384 samples at 128 Hz exactly as
+Cho2017's.
 
 Preprocessing, done by MOABB's paradigm: band-pass ``[fmin, fmax]`` (8-30 Hz by default),
 resampling to ``resample`` Hz (128), epochs over the dataset's MOABB interval, in microvolts (MOABB's
@@ -30,15 +32,23 @@ Weibo2014, 384 = 3 s x 128 for Cho2017), and turned into the model's input by a 
   guarantee is untouched).
 - ``raw`` (:class:`RawRepresentation`): the trial itself, shape ``(C, n_times)``, in microvolts.
 
+Channels: every EEG channel of the dataset, or the ones named in ``channels`` (MOABB picks them
+before epoching; e.g. the 21 sensorimotor channels FC5..FC6, C5..C6, CP5..CP6 of PhysionetMI).
+
 Clients: the chosen subjects, in order, are cut into ``n_clients`` contiguous groups
 (:func:`numpy.array_split`: 9 BNCI2014_001 subjects -> 3 clients of 3; 52 Cho2017 subjects -> 26 of
-2; 10 Weibo2014 subjects -> 5 of 2; 5 PhysionetMI subjects -> 5 of 1, as in Table 13). Every client
-splits its trials into train and test, stratified by class (``test_fraction`` of each class, at
-random, seeded by ``(split_seed, client_id)``). The server evaluates on the union of the clients'
-test splits.
+2; 10 Weibo2014 subjects -> 5 of 2; 17 PhysionetMI subjects -> 17 of 1 or 6 of 3, 3, 3, 3, 3, 2).
+Every subject's trials are split into train and test, stratified by class (``test_fraction`` of
+each class, at random, seeded by ``(split_seed, subject)``), so the test set is the same however
+the subjects are grouped; a client holds the training trials of its subjects. The server
+evaluates on the union of the test splits. For the hyperparameter search
+(``evaluate_on: validation``) the test splits are set aside unseen and a validation split is cut
+from each subject's training trials (seeded by ``run.seed``) and evaluated on instead
+(:class:`Holdout`).
 
 Cache: the preprocessed arrays of every subject are stored as ``.npz`` under
-``<cache_dir>/<dataset>/<key>/``, where ``key`` hashes every preprocessing parameter (dataset,
+``<cache_dir>/<dataset>/<key>/`` (``cache_dir`` defaults to ``eeg`` in the user's cache folder,
+:func:`rfedray.paths.cache_dir`), where ``key`` hashes every preprocessing parameter (dataset,
 events, paradigm, band, sampling rate, n_times, representation and its estimator, the versions of
 MOABB, MNE and pyriemann). Files are written atomically, so processes may share a cache.
 
@@ -68,9 +78,12 @@ import torch
 from rfedray.options import DTYPES, OptionsError
 from rfedray.data.validation import first_nonfinite, spd_problem
 from rfedray.errors import RfedrayError
+from rfedray.paths import cache_dir
+from rfedray.progress import bar
 from rfedray.task import ClientData, EvalData
 
 ESTIMATORS = ("oas", "lwf", "sch")
+HOLDOUTS = ("test", "validation")
 MICROVOLT = "uV"
 CACHE_FORMAT = 1
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -167,7 +180,7 @@ DATASETS: dict[str, DatasetSpec] = {
     ),
     "PhysionetMI": DatasetSpec(
         name="PhysionetMI", paradigm="LeftRightImagery", events=_LEFT_RIGHT, channels=64,
-        subjects=(1, 2, 3, 4, 5), available=tuple(range(1, 110)), window_s=3.0, endpoint=0, sign="EEGBCI",
+        subjects=tuple(range(1, 18)), available=tuple(range(1, 110)), window_s=3.0, endpoint=0, sign="EEGBCI",
         attributes={"hand_runs": [4, 8, 12], "feet_runs": []},
         default_path=REPOSITORY.parent / "shared" / "data" / "eegmmidb",
     ),
@@ -183,13 +196,22 @@ class Preprocessing:
     fmax: float
     resample: float
     n_times: int
+    channels: Optional[tuple[str, ...]] = None
+
+    @property
+    def n_channels(self) -> int:
+        """Channels of a trial: the chosen ones, else every EEG channel of the dataset."""
+        return len(self.channels) if self.channels is not None else self.spec.channels
 
     def key(self) -> dict[str, Any]:
-        return {
+        key = {
             "dataset": self.spec.name, "paradigm": self.spec.paradigm, "events": list(self.spec.events),
             "attributes": self.spec.attributes, "fmin": self.fmin, "fmax": self.fmax,
             "resample": self.resample, "n_times": self.n_times, "unit": MICROVOLT,
         }
+        if self.channels is not None:
+            key["channels"] = list(self.channels)
+        return key
 
 
 class CovarianceRepresentation:
@@ -312,21 +334,27 @@ def load_subject_trials(prep: Preprocessing, subject: int, data_path: Path) -> t
         dataset = getattr(moabb.datasets, spec.name)()
         for name, value in spec.attributes.items():
             setattr(dataset, name, value)
+        channels = list(prep.channels) if prep.channels is not None else None
         paradigm = getattr(moabb.paradigms, spec.paradigm)(
-            fmin=prep.fmin, fmax=prep.fmax, resample=prep.resample, **spec.paradigm_kwargs
+            fmin=prep.fmin, fmax=prep.fmax, resample=prep.resample, channels=channels, **spec.paradigm_kwargs
         )
         try:
             trials, labels, _ = paradigm.get_data(dataset, subjects=[subject])
+        except ValueError as exc:
+            if channels is None or "channel" not in str(exc).lower():
+                raise
+            raise OptionsError("data.options.channels", channels, f"{spec.name} (subject {subject}) does not have all of "
+                              f"these channels ({exc})") from None
         except OSError as exc:
             raise DatasetUnavailableError(
                 f"EEG dataset {spec.name} (subject {subject}) is not on disk under {data_path} "
                 f"({spec.env_key}) and could not be downloaded ({type(exc).__name__}: {exc}); "
                 + fetch_hint(spec, data_path)
             ) from exc
-    if trials.shape[1] != spec.channels or trials.shape[2] < prep.n_times:
+    if trials.shape[1] != prep.n_channels or trials.shape[2] < prep.n_times:
         raise DatasetUnavailableError(
             f"EEG dataset {spec.name} (subject {subject}) under {data_path}: MOABB returned trials of shape "
-            f"{trials.shape[1:]}, expected ({spec.channels}, >= {prep.n_times})"
+            f"{trials.shape[1:]}, expected ({prep.n_channels}, >= {prep.n_times})"
         )
     names, inverse = np.unique(np.asarray(labels, dtype=str), return_inverse=True)
     codes = np.array([spec.events.index(name) for name in names], dtype=np.int64)
@@ -385,10 +413,12 @@ def held_out_counts(class_counts: np.ndarray, test_fraction: float) -> np.ndarra
     return np.rint(test_fraction * class_counts).astype(np.int64)
 
 
-def train_size(labels: np.ndarray, test_fraction: float) -> int:
-    """Training records left by :func:`stratified_split` of ``labels`` (shape (n,), int)."""
+def train_size(labels: np.ndarray, test_fraction: float, validation_fraction: float = 0.0) -> int:
+    """Training records left by :func:`split_client` of ``labels`` (shape (n,), int): the test split
+    held out, then (``validation_fraction > 0``) a validation split of the remaining records."""
     counts = np.bincount(labels)
-    return int(counts.sum() - held_out_counts(counts, test_fraction).sum())
+    counts = counts - held_out_counts(counts, test_fraction)
+    return int(counts.sum() - held_out_counts(counts, validation_fraction).sum())
 
 
 def stratified_split(labels: np.ndarray, test_fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -416,17 +446,59 @@ def stratified_split(labels: np.ndarray, test_fraction: float, rng: np.random.Ge
     return np.sort(order[~is_test]), np.sort(order[is_test])
 
 
+@dataclass(frozen=True)
+class Holdout:
+    """How a unit's trials (a subject's, or a client's) are held out: a test split, and for the
+    hyperparameter search a validation split inside the training records.
+
+    Attributes
+    ----------
+    test_fraction : float in (0, 1)
+        Of each class, held out for testing.
+    test_seed : int
+        Seeds the test split.
+    validation_fraction : float in (0, 1) or None
+        ``None``: the unit's held-out records are its test split. Otherwise the test split is cut
+        exactly as without it and set aside (never returned), and this fraction of each class of
+        the remaining training records is held out instead, by a second random stream: the split
+        hyperparameters are chosen on. The search's training records are then a subset of the
+        real runs' training records, and nothing of the test split takes part.
+    validation_seed : int
+        Seeds the validation split.
+    """
+
+    test_fraction: float
+    test_seed: int
+    validation_fraction: Optional[float] = None
+    validation_seed: int = 0
+
+    def indices(self, labels: np.ndarray, key: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Training and held-out indices of a unit's ``labels`` (shape (n,), int), sorted; ``key``
+        names the unit in the random streams (the same unit gets the same split in every process)."""
+        rng = np.random.default_rng(np.random.SeedSequence(entropy=self.test_seed, spawn_key=key))
+        train, test = stratified_split(labels, self.test_fraction, rng)
+        if self.validation_fraction is None:
+            return train, test
+        rng = np.random.default_rng(np.random.SeedSequence(entropy=self.validation_seed, spawn_key=(*key, 1)))
+        kept, held = stratified_split(labels[train], self.validation_fraction, rng)
+        return train[kept], train[held]
+
+    def train_size(self, labels: np.ndarray) -> int:
+        """Training records :meth:`indices` leaves of ``labels`` (shape (n,), int)."""
+        return train_size(labels, self.test_fraction, self.validation_fraction or 0.0)
+
+
+def as_records(features: np.ndarray, labels: np.ndarray, index: np.ndarray, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The records at ``index`` as tensors: features in ``dtype``, labels int64."""
+    return torch.as_tensor(features[index], dtype=dtype), torch.as_tensor(labels[index], dtype=torch.int64)
+
+
 def split_client(
-    features: np.ndarray, labels: np.ndarray, test_fraction: float, seed: int, client_id: int, dtype: torch.dtype
+    features: np.ndarray, labels: np.ndarray, test_fraction: float, seed: int, client_id: int, dtype: torch.dtype,
 ) -> ClientData:
     """A client's stratified train/test split, as tensors (features in ``dtype``, labels int64)."""
-    rng = np.random.default_rng(np.random.SeedSequence(entropy=seed, spawn_key=(0xEE6, client_id)))
-    train, test = stratified_split(labels, test_fraction, rng)
-
-    def records(index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.as_tensor(features[index], dtype=dtype), torch.as_tensor(labels[index], dtype=torch.int64)
-
-    return ClientData(train=records(train), test=records(test))
+    train, test = Holdout(test_fraction, seed).indices(labels, (0xEE6, client_id))
+    return ClientData(train=as_records(features, labels, train, dtype), test=as_records(features, labels, test, dtype))
 
 
 def union_of_tests(clients: list[ClientData]) -> EvalData:
@@ -441,8 +513,8 @@ def group_subjects(subjects: list[int], n_clients: int) -> list[list[int]]:
 
 
 def default_cache_dir() -> Path:
-    """``RFEDRAY_CACHE_DIR`` if set, else ``.cache/eeg`` in the repository (git-ignored)."""
-    return Path(os.environ.get("RFEDRAY_CACHE_DIR", "") or REPOSITORY / ".cache").expanduser() / "eeg"
+    """``eeg`` in :func:`rfedray.paths.cache_dir` (``RFEDRAY_CACHE_DIR``, else the user's cache folder)."""
+    return cache_dir() / "eeg"
 
 
 @dataclass
@@ -465,14 +537,26 @@ class Options:
         Samples per trial; ``None`` is the paper's T (``floor(window * resample) + endpoint``).
     estimator : str
         Covariance estimator with shrinkage (``oas``, ``lwf``, ``sch``).
+    channels : list of str or None
+        EEG channels to keep, by name, in this order (MOABB picks them); ``None`` keeps every EEG
+        channel of the dataset.
     test_fraction : float
         Fraction of each client's trials (per class) held out for testing.
+    evaluate_on : str
+        ``test`` (the runs): the server evaluates on the union of the subjects' test splits.
+        ``validation`` (hyperparameter search): every test split is set aside unseen, and
+        ``validation_fraction`` of each subject's training trials (per class) are held out and
+        evaluated on instead (:class:`Holdout`; the validation split is seeded by ``run.seed``).
+    validation_fraction : float
+        Fraction of each subject's training trials (per class) in its validation split.
     split_seed : int or None
-        Seed of the train/test splits; ``None`` uses ``run.seed``.
+        Seed of the train/test splits; ``None`` uses ``run.seed``. A fixed value keeps one test
+        split for every seed, which a hyperparameter search on validation splits needs (a test
+        split of one seed is training data of another).
     data_path : str
         Folder of the raw files; empty uses ``MNE_DATASETS_<SIGN>_PATH`` or the default.
     cache_dir : str
-        Folder of the preprocessed arrays; empty uses ``RFEDRAY_CACHE_DIR`` or ``<repo>/.cache``.
+        Folder of the preprocessed arrays; empty uses :func:`default_cache_dir`.
     dtype : str
         ``float32`` or ``float64``.
     """
@@ -485,7 +569,10 @@ class Options:
     resample: float = 128.0
     n_times: Optional[int] = None
     estimator: str = "oas"
+    channels: Optional[List[str]] = None
     test_fraction: float = 0.25
+    evaluate_on: str = "test"
+    validation_fraction: float = 0.25
     split_seed: Optional[int] = None
     data_path: str = ""
     cache_dir: str = ""
@@ -512,8 +599,15 @@ class Options:
             raise OptionsError(f"{prefix}.n_times", self.n_times, f"must be null or in [1, {longest}] (the epoch length)")
         if self.estimator not in ESTIMATORS:
             raise OptionsError(f"{prefix}.estimator", self.estimator, "must be one of " + ", ".join(ESTIMATORS))
+        if self.channels is not None and (not self.channels or len(set(self.channels)) != len(self.channels)
+                                          or not all(isinstance(c, str) and c for c in self.channels)):
+            raise OptionsError(f"{prefix}.channels", self.channels, "must be null (every channel) or a non-empty list of distinct channel names")
         if not 0.0 < self.test_fraction < 1.0:
             raise OptionsError(f"{prefix}.test_fraction", self.test_fraction, "must be in the open interval (0, 1)")
+        if self.evaluate_on not in HOLDOUTS:
+            raise OptionsError(f"{prefix}.evaluate_on", self.evaluate_on, "must be one of " + ", ".join(HOLDOUTS))
+        if not 0.0 < self.validation_fraction < 1.0:
+            raise OptionsError(f"{prefix}.validation_fraction", self.validation_fraction, "must be in the open interval (0, 1)")
         if self.split_seed is not None and self.split_seed < 0:
             raise OptionsError(f"{prefix}.split_seed", self.split_seed, "must be null (run.seed) or an integer >= 0")
         if self.dtype not in DTYPES:
@@ -557,6 +651,11 @@ class MOABBEEG:
         self.preprocessing = Preprocessing(
             spec, options.fmin, options.fmax, options.resample,
             options.n_times if options.n_times is not None else spec.n_times(options.resample),
+            tuple(options.channels) if options.channels is not None else None,
+        )
+        self.holdout = Holdout(
+            options.test_fraction, self.split_seed,
+            options.validation_fraction if options.evaluate_on == "validation" else None, seed,
         )
         self.representation = REPRESENTATIONS[options.representation].from_options(options)
         self.data_path = spec.data_path(options.data_path)
@@ -565,10 +664,12 @@ class MOABBEEG:
         self.dtype = DTYPES[options.dtype]
         self.info = {
             "task": "classification", "dataset": spec.name, "representation": options.representation,
-            "channels": spec.channels, "n_times": self.preprocessing.n_times, "num_classes": len(spec.events),
-            "classes": list(spec.events),
-            "record_shape": self.representation.record_shape(spec.channels, self.preprocessing.n_times),
+            "channels": self.preprocessing.n_channels, "n_times": self.preprocessing.n_times,
+            "channel_names": list(options.channels) if options.channels is not None else None,
+            "num_classes": len(spec.events), "classes": list(spec.events),
+            "record_shape": self.representation.record_shape(self.preprocessing.n_channels, self.preprocessing.n_times),
             "dtype": options.dtype, "subjects": self.subjects, "cache": str(self.cache.folder),
+            "evaluated_on": options.evaluate_on,
         }
 
     def subject_arrays(self, subject: int) -> tuple[np.ndarray, np.ndarray]:
@@ -600,26 +701,30 @@ class MOABBEEG:
             self.cache.save(subject, features, labels)
         return features, labels
 
-    def _client_arrays(self, client_id: int) -> tuple[np.ndarray, np.ndarray]:
+    def client_data(self, client_id: int) -> ClientData:
+        """The client's records: each of its subjects' training (held-out) split, concatenated."""
         if not 0 <= client_id < self.num_clients:
             raise ValueError(f"client_id={client_id}: must be in [0, {self.num_clients - 1}]")
-        parts = [self.subject_arrays(s) for s in self.subjects[client_id]]
-        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-
-    def client_data(self, client_id: int) -> ClientData:
-        features, labels = self._client_arrays(client_id)
-        return split_client(features, labels, self.options.test_fraction, self.split_seed, client_id, self.dtype)
+        train, held = [], []
+        for subject in self.subjects[client_id]:
+            features, labels = self.subject_arrays(subject)
+            kept, out = self.holdout.indices(labels, (0xEE6, 0x5B, subject))
+            train.append(as_records(features, labels, kept, self.dtype))
+            held.append(as_records(features, labels, out, self.dtype))
+        join = lambda parts: tuple(torch.cat(t) for t in zip(*parts))  # noqa: E731
+        return ClientData(train=join(train), test=join(held))
 
     def client_sizes(self) -> list[int]:
-        """Training records per client (from the cached labels; preprocesses what is missing)."""
-        sizes = []
-        for group in self.subjects:
-            labels = [(self.cache.read(s, "y") or self.subject_arrays(s)[1:])[0] for s in group]
-            sizes.append(train_size(np.concatenate(labels), self.options.test_fraction))
-        return sizes
+        """Training records per client (from the cached labels; preprocesses what is missing, with a
+        progress bar on a terminal)."""
+        missing = [s for group in self.subjects for s in group if not self.cache.path(s).is_file()]
+        for subject in bar(missing, desc=f"{self.spec.name}: preprocessing", unit="subject"):
+            self.subject_arrays(subject)
+        return [sum(self.holdout.train_size((self.cache.read(s, "y") or self.subject_arrays(s)[1:])[0]) for s in group)
+                for group in self.subjects]
 
     def eval_data(self) -> EvalData:
-        """The union of every client's test split."""
+        """The union of every client's test split (its validation split with ``evaluate_on: validation``)."""
         return union_of_tests([self.client_data(i) for i in range(self.num_clients)])
 
 

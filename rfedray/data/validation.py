@@ -2,7 +2,8 @@
 
 Each check returns the first problem it finds, with the record's index, or ``None``; the data
 source turns it into one error that also says where the record comes from (file, client,
-subject) and what to do.
+subject) and what to do. No message holds a value of a record (an entry, an eigenvalue, a label):
+error messages and logs are something the server sees, and they are not privatised.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def spd_problem(x: np.ndarray) -> Optional[str]:
     Returns
     -------
     str or None
-        E.g. ``"record 3 is singular or not positive definite (eigenvalues from -1e-17 to 2.1)"``.
+        E.g. ``"record 3 is singular or not positive definite"``: the record's index and the
+        problem, never a value of the record (an error message is something the server sees).
     """
     n, rows, cols = x.shape
     if rows != cols:
@@ -62,14 +64,13 @@ def spd_problem(x: np.ndarray) -> Optional[str]:
     bad = np.flatnonzero(asymmetry > 100 * eps * scale)
     if bad.size:
         i = int(bad[0])
-        return f"record {i} is not symmetric (|X - X^T| up to {asymmetry[i]:.3g}, entries up to {scale[i]:.3g})"
+        return f"record {i} is not symmetric"
     eigenvalues = np.linalg.eigvalsh(0.5 * (x64 + np.swapaxes(x64, -1, -2)))
     smallest, largest = eigenvalues[:, 0], eigenvalues[:, -1]
     bad = np.flatnonzero(~(smallest > rows * eps * np.maximum(largest, 0.0)) | ~(largest > 0))
     if bad.size:
         i = int(bad[0])
-        return (f"record {i} is singular or not positive definite "
-                f"(eigenvalues from {smallest[i]:.3g} to {largest[i]:.3g})")
+        return f"record {i} is singular or not positive definite"
     return None
 
 

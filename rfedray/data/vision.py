@@ -9,7 +9,8 @@ are read directly:
 - CIFAR-10: the python pickles ``data_batch_1`` ... ``data_batch_5`` and ``test_batch`` in
   ``ROOT/cifar-10-batches-py`` (the extracted ``cifar-10-python.tar.gz``).
 
-``ROOT`` is ``data.options.root``, else ``$RFEDRAY_DATA_DIR``, else ``~/.cache/rfedray/data``.
+``ROOT`` is ``data.options.root``, else :func:`rfedray.paths.data_dir` (``$RFEDRAY_DATA_DIR``, else the
+platform's user data folder, ``~/.local/share/rfedray`` on Linux).
 Pixels are scaled to [0, 1], flattened, and (by default) each record is scaled to unit L2 norm,
 which bounds the per-record gradients of a GLM. The official train split is partitioned over the
 clients; the official test split is what the server evaluates on.
@@ -18,7 +19,6 @@ clients; the official test split is what the server evaluates on.
 from __future__ import annotations
 
 import gzip
-import os
 import pickle
 from dataclasses import dataclass
 from functools import partial
@@ -30,6 +30,7 @@ import numpy as np
 from rfedray.data.sklearn_data import PARTITIONS, ArrayFederation, Arrays, _rng, _unit_rows
 from rfedray.errors import RfedrayError
 from rfedray.options import DTYPES, OptionsError
+from rfedray.paths import data_dir
 
 MNIST_FILES = {
     "train_images": "train-images-idx3-ubyte",
@@ -61,11 +62,8 @@ class DatasetNotFoundError(RfedrayError):
 
 
 def default_root(root: Optional[str] = None) -> Path:
-    """The cache directory: ``root``, else ``$RFEDRAY_DATA_DIR``, else ``~/.cache/rfedray/data``."""
-    if root:
-        return Path(root).expanduser()
-    env = os.environ.get("RFEDRAY_DATA_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "rfedray" / "data"
+    """The data directory: ``root``, else :func:`rfedray.paths.data_dir`."""
+    return Path(root).expanduser() if root else data_dir()
 
 
 def read_idx(path: Path) -> np.ndarray:

@@ -30,6 +30,7 @@ from rfedray.federated.client import ClientFailure, round_generator
 from rfedray.federated.server import cohort as draw_cohort
 from rfedray.mestimation.engine import Engine, HostedClient
 from rfedray.mestimation.local import ParamLayout, StepPlan
+from rfedray.privacy.statement import statement
 from rfedray.task import FederatedDataset, FederatedModel, Params
 
 log = logging.getLogger(__name__)
@@ -186,6 +187,7 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
         "noise_multiplier": z, "epsilon_target": epsilon, "delta": delta if private else None,
         "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None, "accountant": "laplace" if private else None,
         "not_for_production": private and noise_seed is not None,
+        **(statement() if private else {}),
         "wall_seconds": wall, "seconds_per_round": wall / max(len(history), 1),
         "final_metrics": {k: last[k] for k in ("loss", "r2", "param_error") if k in last},
         "secure_aggregation": {"aggregators": aggregators.num_aggregators, "frac_bits": codec.frac_bits,

@@ -10,7 +10,7 @@ actors, each of which runs a local executor over its own clients. Both return, p
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Protocol, Sequence
+from typing import Mapping, Optional, Protocol, Sequence
 
 from rfedray.config import Config
 from rfedray.federated.batched import batch_key, train_together
@@ -60,10 +60,14 @@ class LocalExecutor:
         self.cfg, self.dataset, self.model, self.plan = cfg, dataset, model, plan
         self.vectorise = vectorise
         self._clients: dict[int, Client] = {}
+        self._declared: Optional[list[int]] = None
 
     def client(self, client_id: int) -> Client:
         if client_id not in self._clients:
-            self._clients[client_id] = build_client(self.cfg, client_id, self.dataset, self.model, self.plan)
+            if self._declared is None:
+                self._declared = [int(m) for m in self.dataset.client_sizes()]
+            self._clients[client_id] = build_client(self.cfg, client_id, self.dataset, self.model, self.plan,
+                                                    self._declared[client_id])
         return self._clients[client_id]
 
     def train(self, cohort, theta, round_index, states):

@@ -9,7 +9,9 @@ One round t:
 4. the server checks and combines the submissions into theta_{t+1} (theta_t stays if none is
    usable);
 5. evaluate, log a line to ``metrics.jsonl``, notify observers (progress, Prometheus), and
-   checkpoint every ``run.checkpoint_every`` rounds.
+   checkpoint every ``run.checkpoint_every`` rounds. Metrics of an oracle (evaluation data computed
+   from the training records, :attr:`rfedray.task.EvalData.oracle`) are named ``oracle_*`` and
+   reach the observers only with ``monitoring.export_oracle_metrics``.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from rfedray.federated.resume import Checkpoints, RunState, accounting_fingerpri
 from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.server import Server, cohort
 from rfedray.federated.setup import (
-    PrivacyPlan, build_dataset, build_model, build_scheme, check_client_sizes, initial_params,
+    GivenTask, PrivacyPlan, build_dataset, build_model, build_scheme, check_client_sizes, initial_params,
     local_plan, resolve_privacy,
 )
 from rfedray.geometry import ProductManifold
+from rfedray.privacy.statement import statement
 from rfedray.task import FederatedDataset, FederatedModel, Params
 
 log = logging.getLogger(__name__)
@@ -59,16 +62,19 @@ class Federation:
     privacy: PrivacyPlan
     observers: list[RoundObserver] = field(default_factory=list)
     ledger_factory: Optional[Callable[[], Any]] = None  # the ledger run() charges; default make_ledger (Ray: the accountant actor)
+    given: Optional[GivenTask] = None  # model or dataset objects of the user's (the Ray engine sends them to its actors)
 
     @classmethod
-    def prepare(cls, cfg: Config, run_dir: RunDirectory, observers: Optional[list] = None) -> "Federation":
-        """Build the task and resolve the privacy plan; nothing trains yet."""
-        dataset = build_dataset(cfg)
-        sizes = dataset.client_sizes()
+    def prepare(cls, cfg: Config, run_dir: RunDirectory, observers: Optional[list] = None,
+                given: Optional[GivenTask] = None) -> "Federation":
+        """Build the task (from the configuration, or the ``given`` objects) and resolve the privacy
+        plan; nothing trains yet."""
+        dataset = build_dataset(cfg, given)
+        sizes = [int(m) for m in dataset.client_sizes()]
         check_client_sizes(cfg, sizes)
-        model = build_model(cfg, dataset.info)
+        model = build_model(cfg, dataset.info, given)
         privacy = resolve_privacy(cfg, sizes)
-        return cls(cfg, run_dir, model, dataset, sizes, privacy, list(observers or []))
+        return cls(cfg, run_dir, model, dataset, sizes, privacy, list(observers or []), given=given)
 
     @property
     def product(self) -> ProductManifold:
@@ -145,8 +151,8 @@ class Federation:
                 log.warning("round %d: submission rejected: %s", t, r.reason)
             counters["client_failures"] += len(failures)
             counters["submissions_rejected"] += len(rejected)
-            if (t + 1) % cfg.run.evaluate_every == 0 or t + 1 == cfg.run.rounds:
-                last_metrics = self.model.evaluate(theta, eval_data)
+            if eval_data.tensors and ((t + 1) % cfg.run.evaluate_every == 0 or t + 1 == cfg.run.rounds):
+                last_metrics = eval_data.labelled(self.model.evaluate(theta, eval_data))
             record = {
                 "round": t,
                 "cohort_size": len(chosen),
@@ -161,8 +167,9 @@ class Federation:
                 **{f"metric_{k}": v for k, v in last_metrics.items()},
             }
             rd.append_metrics(record)
+            exported = record if cfg.monitoring.export_oracle_metrics else without_oracle_metrics(record)
             for obs in self.observers:
-                obs.on_round(record)
+                obs.on_round(exported)
             if (t + 1) % cfg.run.checkpoint_every == 0 or t + 1 == cfg.run.rounds or rd.out_of_space():
                 checkpoints.save(RunState(theta, t + 1, opt_states, counters, last_metrics), ledger)
         else:
@@ -180,10 +187,12 @@ class Federation:
             "clip": self.privacy.clip if self.privacy.enabled else None,
             "accountant": self.privacy.accountant if self.privacy.enabled else None,
             "private": self.privacy.enabled,
+            **(statement() if self.privacy.enabled else {}),
             "not_for_production": seeded,
             "halted": halted,
             "halt_reason": halt_reason,
             "final_metrics": last_metrics,
+            "oracle_metrics": eval_data.oracle,
             "client_failures": counters["client_failures"],
             "submissions_rejected": counters["submissions_rejected"],
             "wall_seconds": time.perf_counter() - started,
@@ -213,6 +222,11 @@ class Federation:
         resolved = replace(self.cfg, privacy=replace(self.cfg.privacy, sigma=self.privacy.sigma))
         self.run_dir.write_bytes("config.yaml", to_yaml(resolved).encode())
         return checkpoints.start(RunState(initial_params(self.cfg, self.model)), ledger)
+
+
+def without_oracle_metrics(record: dict) -> dict:
+    """A round record without its oracle metrics (``metric_oracle_*``)."""
+    return {k: v for k, v in record.items() if not k.startswith("metric_oracle_")}
 
 
 def run_federation(cfg: Config, run_dir: RunDirectory, observers: Optional[list] = None,

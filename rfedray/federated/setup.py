@@ -11,24 +11,62 @@ from typing import Optional
 
 import torch
 
-from rfedray import aggregation, registry
+from rfedray import aggregation, plugins, registry
 from rfedray.config import Config, ConfigError
+from rfedray.errors import RfedrayError
 from rfedray.federated.client import Client, LocalPlan
-from rfedray.geometry import STIEFEL_RETRACTIONS
+from rfedray.geometry import STIEFEL_RETRACTIONS, Stiefel
 from rfedray.task import FederatedDataset, FederatedModel
 
 
-def build_dataset(cfg: Config) -> FederatedDataset:
+@dataclass(frozen=True)
+class GivenTask:
+    """A model and/or a dataset given as Python objects (:func:`rfedray.api.run`) instead of by name.
+
+    Every process of the run that builds the task uses them (the Ray engine pickles them to its
+    actors), so a given dataset should hold how to load each client's records, not the records.
+    """
+
+    model: Optional[FederatedModel] = None
+    dataset: Optional[FederatedDataset] = None
+
+    def objects(self) -> list:
+        return [obj for obj in (self.model, self.dataset) if obj is not None]
+
+
+def build_dataset(cfg: Config, given: Optional[GivenTask] = None) -> FederatedDataset:
+    if given is not None and given.dataset is not None:
+        return plugins.check_dataset("dataset", type(given.dataset).__name__, given.dataset)
     module = registry.data_module(cfg.data.source)
     options = registry.resolve_options(module, dict(cfg.data.options), "data.options")
     return module.build(options, n_clients=cfg.federation.n_clients, seed=cfg.run.seed)
 
 
-def build_model(cfg: Config, info: dict) -> FederatedModel:
+def check_retraction(cfg: Config, model: FederatedModel) -> FederatedModel:
+    """``model`` if its Stiefel groups use ``aggregation.retraction`` (a model object chooses its own).
+
+    Raises
+    ------
+    ConfigError
+        Naming ``aggregation.retraction`` and the group that uses another one.
+    """
+    wanted = STIEFEL_RETRACTIONS[cfg.aggregation.retraction]
+    for name, manifold in model.groups.items():
+        if isinstance(manifold, Stiefel) and type(manifold.retraction) is not wanted:
+            raise ConfigError("aggregation.retraction", cfg.aggregation.retraction,
+                              f"the model's group {name!r} uses {manifold.retraction!r}; build the model with the "
+                              "run's retraction (ModuleModel(..., retraction=...)) or set aggregation.retraction to its own")
+    return model
+
+
+def build_model(cfg: Config, info: dict, given: Optional[GivenTask] = None) -> FederatedModel:
+    if given is not None and given.model is not None:
+        model = plugins.check_model("model", type(given.model).__name__, given.model)
+        return check_retraction(cfg, model)
     module = registry.model_module(cfg.model.name)
     options = registry.resolve_options(module, dict(cfg.model.options), "model.options")
     try:
-        return module.build(options, info, retraction=STIEFEL_RETRACTIONS[cfg.aggregation.retraction])
+        return check_retraction(cfg, module.build(options, info, retraction=STIEFEL_RETRACTIONS[cfg.aggregation.retraction]))
     except KeyError as exc:
         if not exc.args or exc.args[0] in info:
             raise
@@ -118,11 +156,37 @@ def local_plan(cfg: Config, privacy: PrivacyPlan) -> LocalPlan:
     )
 
 
-def build_client(cfg: Config, client_id: int, dataset: FederatedDataset, model: FederatedModel, plan: LocalPlan) -> Client:
-    return Client(client_id, dataset.client_data(client_id), model, build_scheme(cfg), cfg.optim, plan)
+class DeclaredSizeMismatch(RfedrayError):
+    """A client whose records do not number its entry of ``client_sizes()`` (the accountant's ``m``)."""
+
+
+def build_client(cfg: Config, client_id: int, dataset: FederatedDataset, model: FederatedModel, plan: LocalPlan,
+                 declared: Optional[int] = None) -> Client:
+    """Client ``client_id`` with its records, loaded here.
+
+    Parameters
+    ----------
+    declared : int, optional
+        The client's size in ``dataset.client_sizes()`` (read from the dataset when not given).
+
+    Raises
+    ------
+    DeclaredSizeMismatch
+        When the client holds another number of records than its declared size: the accountant's
+        sampling rate ``B / m`` comes from the declared size, so a client with fewer records than
+        declared would spend more than is counted.
+    """
+    data = dataset.client_data(client_id)
+    if declared is None:
+        declared = int(dataset.client_sizes()[client_id])
+    if data.num_records != declared:
+        # The number it holds stays out of the message: the server sees errors, and a count of records
+        # is not public unless declared.
+        raise DeclaredSizeMismatch(f"client {client_id} does not hold the {declared} training records that the dataset's "
+                         "client_sizes() declares; the accounting needs the true sizes")
+    return Client(client_id, data, model, build_scheme(cfg), cfg.optim, plan)
 
 
 def initial_params(cfg: Config, model: FederatedModel) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(cfg.run.seed * 7919 + 17)
     return model.init_params(generator)
-

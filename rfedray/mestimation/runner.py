@@ -24,6 +24,7 @@ from rfedray.federated.server import cohort as draw_cohort
 from rfedray.mestimation.engine import Engine
 from rfedray.mestimation.local import ParamLayout, StepPlan
 from rfedray.mestimation.strategies import FedNewton, Strategy
+from rfedray.privacy.statement import statement
 from rfedray.task import FederatedDataset, FederatedModel, Params
 
 
@@ -125,7 +126,8 @@ def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, data
     seed : int
         Seeds the initial model and the (public) cohorts.
     reference : dict of Tensor, optional
-        Target estimator; adds ``error`` (relative) to every evaluated round.
+        Target estimator, e.g. the pooled M-estimator (a simulation oracle: it reads every client's
+        records); adds ``oracle_error`` (relative) to every evaluated round.
     evaluate_every : int
     on_round : callable, optional
         Receives every round's record.
@@ -176,13 +178,13 @@ def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, data
                   "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
                   "round_seconds": time.perf_counter() - round_start}
         if (t + 1) % evaluate_every == 0 or t + 1 == rounds:
-            record.update(model.evaluate(theta, eval_data))
+            record.update(eval_data.labelled(model.evaluate(theta, eval_data)))
             if reference is not None:
-                record["error"] = relative_error(theta, reference)
+                record["oracle_error"] = relative_error(theta, reference)
         history.append(record)
         if on_round is not None:
             on_round(record)
-    last = next((r for r in reversed(history) if "loss" in r), {})
+    last = next((r for r in reversed(history) if "loss" in r or "oracle_loss" in r), {})
     summary = {
         **strategy.describe(),
         "rounds_completed": completed, "rounds_planned": rounds, "private_steps_per_client": total_steps,
@@ -190,9 +192,12 @@ def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, data
         "epsilon_target": privacy.epsilon, "delta": privacy.delta if privacy.private else None,
         "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
         "accountant": privacy.accountant if privacy.private else None,
+        **(statement() if privacy.private else {}),
         "not_for_production": privacy.noise_seed is not None and privacy.private,
         "halted": halted, "halt_reason": halt_reason, "client_failures": failures,
-        "final_metrics": {k: v for k, v in last.items() if k in ("loss", "accuracy", "r2", "error", "param_error")},
+        "final_metrics": {k: v for k, v in last.items()
+                          if k.removeprefix("oracle_") in ("loss", "accuracy", "r2", "error", "param_error")},
+        "oracle_metrics": eval_data.oracle or reference is not None,
         "wall_seconds": time.perf_counter() - started,
     }
     return {"history": history, "summary": summary, "theta": theta}

@@ -61,6 +61,11 @@ class GrassmannPCA:
     def projector(x: Tensor) -> Tensor:
         return x
 
+    @staticmethod
+    def point(basis: Tensor) -> Tensor:
+        """The point spanned by the orthonormal ``basis`` (d, p)."""
+        return basis @ basis.T
+
 
 class StiefelPCA:
     """Basis parametrisation: the point is ``U``, shape (d, p), projector ``U U^T``."""
@@ -73,6 +78,10 @@ class StiefelPCA:
     @staticmethod
     def projector(x: Tensor) -> Tensor:
         return x @ x.transpose(-1, -2)
+
+    @staticmethod
+    def point(basis: Tensor) -> Tensor:
+        return basis
 
 
 class SpherePCA:
@@ -88,6 +97,10 @@ class SpherePCA:
     @staticmethod
     def projector(x: Tensor) -> Tensor:
         return torch.outer(x, x)
+
+    @staticmethod
+    def point(basis: Tensor) -> Tensor:
+        return basis[:, 0]
 
 
 PARAMETRISATIONS = {"grassmann": GrassmannPCA, "stiefel": StiefelPCA, "sphere": SpherePCA}

@@ -29,8 +29,9 @@ eigenvalue); raw EEG covariances (~1e-10 V^2) would be clamped whole by eps_R.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +98,14 @@ class SPDNet:
         Of the parameters; inputs are cast to it.
     retraction : StiefelRetraction or its class
         Retraction of the Stiefel groups.
+    init_filters : Tensor or None
+        Where the first BiMap starts: ``None`` draws ``W_1`` Haar-uniformly on ``St(C, d_1)``; a
+        ``(C, d_1)`` matrix of orthonormal columns starts it there (spatial filters: a channel
+        selection ``[e_c1 ... e_cd]``, or e.g. small Laplacians).
+    scale_free : bool
+        Divide ``X_L`` by its mean eigenvalue ``tr(X_L) / d`` before the LogEig (a per-record map): the
+        features are then log-powers relative to the record's own mean power, and a common scale of
+        all records (the tangent features' offset from the identity) is gone.
     """
 
     gradient_rule = None
@@ -111,6 +120,8 @@ class SPDNet:
         depth: int = 1,
         dtype: torch.dtype = torch.float32,
         retraction: StiefelRetraction | type[StiefelRetraction] = PolarRetraction,
+        init_filters: Optional[Tensor] = None,
+        scale_free: bool = False,
     ):
         if not 1 <= d <= channels:
             raise ValueError(f"d={d!r}: must be between 1 and channels ({channels})")
@@ -124,6 +135,13 @@ class SPDNet:
         self.eps_reeig = float(eps_reeig)
         self.dtype = dtype
         self.dims = bimap_dims(channels, d, depth)
+        if init_filters is not None:
+            init_filters = torch.as_tensor(init_filters, dtype=torch.float64)
+            eye = torch.eye(self.dims[1], dtype=torch.float64)
+            if init_filters.shape != (channels, self.dims[1]) or not torch.allclose(init_filters.T @ init_filters, eye, atol=1e-9):
+                raise ValueError(f"init_filters: must be a ({channels}, {self.dims[1]}) matrix with orthonormal columns")
+        self.init_filters = init_filters
+        self.scale_free = bool(scale_free)
         self.features = d * (d + 1) // 2
         self.bimaps = [bimap_group(k) for k in range(1, depth + 1)]
         self.groups = {
@@ -137,19 +155,25 @@ class SPDNet:
         return sum(m.ambient_dim for m in self.groups.values())
 
     def init_params(self, generator: torch.Generator) -> Params:
-        """Haar-random BiMap weights; head weights ``N(0, 1/D)``, bias 0."""
+        """Haar-random BiMap weights (the first one ``init_filters`` if set); head weights
+        ``N(0, 1/D)``, bias 0. The generator draws the same numbers either way."""
         params = {name: self.groups[name].random_point(generator=generator, dtype=torch.float64) for name in self.bimaps}
+        if self.init_filters is not None:
+            params[self.bimaps[0]] = self.init_filters.clone()
         weight = torch.randn(self.num_classes, self.features, generator=generator, dtype=torch.float64)
         bias = torch.zeros(self.num_classes, 1, dtype=torch.float64)
         params[HEAD] = torch.cat([weight / self.features ** 0.5, bias], dim=1)
         return {name: value.to(self.dtype) for name, value in params.items()}
 
     def tangent_features(self, params: Params, x: Tensor) -> Tensor:
-        """``Vech(log(max(X_L, eps_R)))`` of covariances ``x`` of shape ``(..., C, C)``: ``(..., D)``."""
+        """``Vech(log(max(X_L, eps_R)))`` of covariances ``x`` of shape ``(..., C, C)``: ``(..., D)``
+        (``X_L / (tr(X_L) / d)`` in place of ``X_L`` when ``scale_free``)."""
         x = x.to(self.dtype)
         x = bimap(x, params[self.bimaps[0]])
         for name in self.bimaps[1:]:
             x = bimap(sym_clamp(x, self.eps_reeig), params[name])
+        if self.scale_free:
+            x = x / (x.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None])
         return vech(sym_clamped_log(x, self.eps_reeig))
 
     def logits(self, params: Params, x: Tensor) -> Tensor:
@@ -189,11 +213,24 @@ class Options:
         ReEig floor; ``None`` takes Table 5's value (1e-4 when the dataset is not in Table 5).
     depth : int
         Number of BiMap layers (the paper: 1).
+    init_filters : list of {channel: weight} or None
+        Start the first BiMap at these spatial filters instead of a Haar-random point: filter ``j``
+        is column ``j`` of ``W_1``, the named channels (of ``data.options.channels``) with their
+        weights, scaled to unit norm; distinct filters must be orthogonal (e.g. disjoint channels),
+        and ``d`` is their number. A public prior, not a statistic of the records: e.g. the small
+        Laplacians at C3 and C4, ``{C3: 1, FC3: -0.25, CP3: -0.25, C1: -0.25, C5: -0.25}`` and its
+        mirror, the spatial filter of the BCI2000 mu-rhythm studies (McFarland et al. 1997), or a
+        channel selection ``{C3: 1}``.
+    scale_free : bool
+        Divide ``X_L`` by its mean eigenvalue before the LogEig (:class:`SPDNet`): per record, the
+        features become log-powers relative to the record's own mean power.
     """
 
     d: Optional[int] = None
     eps_reeig: Optional[float] = None
     depth: int = 1
+    init_filters: Optional[List[Dict[str, float]]] = None
+    scale_free: bool = False
 
     def validate(self, prefix: str) -> None:
         if self.d is not None and self.d < 1:
@@ -202,6 +239,33 @@ class Options:
             raise OptionsError(f"{prefix}.eps_reeig", self.eps_reeig, "must be null (Table 5) or a finite number > 0")
         if self.depth < 1:
             raise OptionsError(f"{prefix}.depth", self.depth, "must be an integer >= 1")
+        if self.init_filters is not None:
+            filters = self.init_filters
+            if not filters or not all(f and all(math.isfinite(w) for w in f.values()) and any(w != 0 for w in f.values())
+                                      for f in filters):
+                raise OptionsError(f"{prefix}.init_filters", filters,
+                                   "must be null (Haar-random) or a non-empty list of {channel: weight} with finite, not all zero weights")
+            if self.depth != 1:
+                raise OptionsError(f"{prefix}.init_filters", filters, f"needs model.options.depth=1 (got {self.depth})")
+            if self.d is not None and self.d != len(filters):
+                raise OptionsError(f"{prefix}.d", self.d, f"must be null or the number of model.options.init_filters ({len(filters)})")
+
+
+def filter_matrix(filters: Sequence[dict], names: Sequence[str]) -> Tensor:
+    """The ``(C, d)`` matrix of ``filters`` (each ``{channel: weight}``) over the channels ``names``,
+    columns scaled to unit norm; raises :class:`OptionsError` unless they are orthogonal."""
+    names = list(names)
+    missing = sorted({c for f in filters for c in f} - set(names))
+    if missing:
+        raise OptionsError("model.options.init_filters", filters, f"{missing} not among data.options.channels {names}")
+    w = torch.zeros(len(names), len(filters), dtype=torch.float64)
+    for j, f in enumerate(filters):
+        for channel, weight in f.items():
+            w[names.index(channel), j] = float(weight)
+    w = w / w.norm(dim=0)
+    if not torch.allclose(w.T @ w, torch.eye(len(filters), dtype=torch.float64), atol=1e-9):
+        raise OptionsError("model.options.init_filters", filters, "distinct filters must be orthogonal (e.g. on disjoint channels)")
+    return w
 
 
 def build(options: Options, info: dict, retraction: StiefelRetraction | type[StiefelRetraction] = PolarRetraction) -> SPDNet:
@@ -209,8 +273,15 @@ def build(options: Options, info: dict, retraction: StiefelRetraction | type[Sti
     if info.get("representation", "covariance") != "covariance":
         raise OptionsError("data.options.representation", info["representation"], "SPDNet needs covariance inputs")
     paper_d, paper_eps = PAPER_SETTINGS.get(info.get("dataset", ""), DEFAULT_SETTINGS)
-    d = options.d if options.d is not None else paper_d
+    filters = None
+    if options.init_filters is not None:
+        if not info.get("channel_names"):
+            raise OptionsError("model.options.init_filters", options.init_filters,
+                               "needs the channels named by the data (set data.options.channels)")
+        filters = filter_matrix(options.init_filters, info["channel_names"])
+    d = filters.shape[1] if filters is not None else options.d if options.d is not None else paper_d
     if d > info["channels"]:
         raise OptionsError("model.options.d", d, f"must be <= the number of channels ({info['channels']})")
     eps = options.eps_reeig if options.eps_reeig is not None else paper_eps
-    return SPDNet(info["channels"], info["num_classes"], d, eps, options.depth, DTYPES[info.get("dtype", "float32")], retraction)
+    return SPDNet(info["channels"], info["num_classes"], d, eps, options.depth, DTYPES[info.get("dtype", "float32")], retraction,
+                  init_filters=filters, scale_free=options.scale_free)

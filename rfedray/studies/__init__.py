@@ -15,6 +15,7 @@ STUDIES = {
     "eeg-federated": "rfedray.studies.eeg:EEGFederated",
     "eeg-prirfed": "rfedray.studies.eeg:EEGPriRFed",
     "eeg-curves": "rfedray.studies.eeg:EEGCurves",
+    "eeg-physionet": "rfedray.studies.eeg_physionet:EEGPhysionet",
 }
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from rfedray.progress import bar
+
 SCALES = ("tiny", "full")
 
 
@@ -135,11 +137,13 @@ def _run_one(job: tuple[list[str], str]) -> dict:
 
 
 class _Progress:
-    """One stderr line per finished job: count, reused jobs, mean time of the jobs run, estimate of the rest."""
+    """Progress of a study's jobs: a ``tqdm`` bar on a terminal, else one stderr line per finished job
+    (count, reused jobs, elapsed time, estimate of the rest from the mean time of the jobs run)."""
 
     def __init__(self, total: int, workers: int):
         self.total, self.workers, self.done, self.reused = total, workers, 0, 0
         self.started = time.perf_counter()
+        self.bar = bar(None, total=total, desc="study", unit="run")
 
     def finished(self, summary: dict) -> None:
         self.done += 1
@@ -147,8 +151,14 @@ class _Progress:
         ran = self.done - self.reused
         elapsed = time.perf_counter() - self.started
         rest = (self.total - self.done) * elapsed / ran if ran else float("nan")
-        print(f"study: {self.done}/{self.total} runs ({self.reused} reused from an earlier run), "
-              f"{elapsed:.0f} s, about {rest / 60:.0f} min left", file=sys.stderr, flush=True)
+        line = f"{self.done}/{self.total} runs ({self.reused} reused from an earlier run)"
+        if self.bar.disable:
+            print(f"study: {line}, {elapsed:.0f} s, about {rest / 60:.0f} min left", file=sys.stderr, flush=True)
+        else:
+            self.bar.set_postfix_str(f"{self.reused} reused", refresh=False)
+            self.bar.update(1)
+        if self.done == self.total:
+            self.bar.close()
 
 
 def run_many(jobs: Sequence[list[str]], output_dir: Path, workers: Optional[int] = None) -> list[dict]:

@@ -48,7 +48,7 @@ def base_overrides(scale: Scale, seed: int, d: int, p: int) -> list[str]:
 
 def _seed_gaps(summaries: dict, key: tuple, seeds: int) -> list[float]:
     """The final optimality gap of the job ``(*key, seed)`` for every seed."""
-    return [summaries[(*key, s)]["final_metrics"]["gap"] for s in range(seeds)]
+    return [summaries[(*key, s)]["final_metrics"]["oracle_gap"] for s in range(seeds)]
 
 
 def _figure(path: Path, xs, series: dict[str, list], xlabel: str, ylabel: str, title: str, logy: bool = False,

@@ -61,7 +61,7 @@ def _label(eps) -> str:
 
 def rounds_to_reach(history: list[dict], target: float):
     """First round (1-based) whose error is at most ``target``; None if never."""
-    return next((r["round"] + 1 for r in history if r.get("error", math.inf) <= target), None)
+    return next((r["round"] + 1 for r in history if r.get("oracle_error", math.inf) <= target), None)
 
 
 def run_study(out_dir, scale: str = "tiny") -> dict:
@@ -89,9 +89,9 @@ def run_study(out_dir, scale: str = "tiny") -> dict:
                 histories[(clients, _label(eps), name)] = result["history"]
                 for r in result["history"]:
                     rows.append({"clients": n, "epsilon": _label(eps), "strategy": name, "round": r["round"] + 1,
-                                 "error": r["error"], "accuracy": r["accuracy"]})
+                                 "error": r["oracle_error"], "accuracy": r["accuracy"]})
                 finals.append({"clients": n, "epsilon": _label(eps), "strategy": name, "rounds": rounds,
-                               "final_error": result["history"][-1]["error"],
+                               "final_error": result["history"][-1]["oracle_error"],
                                "accuracy": result["history"][-1]["accuracy"],
                                "noise_multiplier": result["summary"]["noise_multiplier"],
                                "epsilon_spent": result["summary"]["epsilon_spent"]})
@@ -110,15 +110,15 @@ def _claims(histories, finals, s) -> dict:
         for eps in (None, s["rounds_epsilon"]):
             sgd = histories[(clients, _label(eps), "fedsgd")]
             newton = histories[(clients, _label(eps), "fednewton")]
-            target = sgd[-1]["error"]
+            target = sgd[-1]["oracle_error"]
             claims[f"newton_vs_sgd_{clients}_clients_eps_{_label(eps)}"] = {
                 "fedsgd_rounds": len(sgd), "fedsgd_final_error": target,
                 "fednewton_rounds_to_reach_it": rounds_to_reach(newton, target),
-                "fednewton_best_error": min(r["error"] for r in newton),
+                "fednewton_best_error": min(r["oracle_error"] for r in newton),
                 "holds": rounds_to_reach(newton, target) is not None and rounds_to_reach(newton, target) < len(sgd) / 2,
             }
-            avg = histories[(clients, _label(eps), "fedavg")][-1]["error"]
-            hybrid = histories[(clients, _label(eps), "fedhybrid")][-1]["error"]
+            avg = histories[(clients, _label(eps), "fedavg")][-1]["oracle_error"]
+            hybrid = histories[(clients, _label(eps), "fedhybrid")][-1]["oracle_error"]
             claims[f"hybrid_vs_avg_{clients}_clients_eps_{_label(eps)}"] = {
                 "fedavg_final_error": avg, "fedhybrid_final_error": hybrid, "holds": hybrid < avg}
     return claims
@@ -141,7 +141,7 @@ def _plots(out: Path, histories, finals, s) -> None:
     for ax, clients in zip(axes, ("few", "many")):
         for (c, eps, name), hist in histories.items():
             if c == clients and eps == _label(s["rounds_epsilon"]):
-                ax.semilogy([r["round"] + 1 for r in hist], [r["error"] for r in hist], marker="o", ms=3, label=name)
+                ax.semilogy([r["round"] + 1 for r in hist], [r["oracle_error"] for r in hist], marker="o", ms=3, label=name)
         ax.set_title(f"{s[clients]} clients, epsilon = {s['rounds_epsilon']:g}")
         ax.set_xlabel("communication round")
         ax.legend()
