@@ -107,6 +107,21 @@ LOWER_SHARE = 0.8
 """Share of ``1 - P`` given to the lower bound of the shift (the rest bounds the standard deviation)."""
 
 
+class TrialLedger:
+    """The ledger of one audit trial, charged as the federation loop charges a run's ledger
+    (``authorize(cohort, round_index)``, the round index naming the charge in a run's journal); a
+    trial is never resumed, so nothing is journaled: every other attribute is the ledger's."""
+
+    def __init__(self, ledger):
+        self.ledger = ledger
+
+    def authorize(self, cohort, round_index=None):
+        return self.ledger.authorize(cohort)
+
+    def __getattr__(self, name):
+        return getattr(self.ledger, name)
+
+
 @dataclasses.dataclass(frozen=True)
 class AuditPlan:
     """How to audit.
@@ -547,7 +562,7 @@ class Auditor:
             ledger = self.fed.make_ledger()
             ledger.accountant = self.accountant
             ledgers.append(ledger)
-            return ledger
+            return TrialLedger(ledger)
 
         run_dir = RunDirectory.create(workdir, f"trial-{index}")
         fed = dataclasses.replace(self.fed, run_dir=run_dir, model=self.model, dataset=dataset, observers=[],
