@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> rfedray.RunResult:
     result = rfedray.run("fedpca", f"run.rounds={args.rounds}", engine=args.engine)
     print(result.run_dir)                               # runs/fedpca-<date>-<id>/
     print(result.summary["epsilon_spent"])              # at most 1.0, the configured target
-    print([r["metric_gap"] for r in result.metrics])    # the optimality gap, round by round
+    print([r["metric_oracle_gap"] for r in result.metrics])    # the optimality gap, round by round
     projector = result.final_params["subspace"]         # the learnt point of Gr(40, 4), a 40 x 40 projector
     print(float(projector.trace()))                     # its rank, 4
     return result
