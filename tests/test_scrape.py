@@ -86,7 +86,7 @@ def test_no_client_value_leaks_through_metrics_logs_or_summary(tmp_path):
             assert set(labels) <= {"run_id", "scheme", "dataset", "model", "le", *INFO_LABELS.get(line.split("{")[0], ())}, line
     # metrics.jsonl and summary.json hold only run-level values: no per-client keys.
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    allowed = {"round", "cohort_size", "answered", "failed", "rejected", "epsilon_spent", "round_seconds",
+    allowed = {"round", "cohort_size", "answered", "failed", "rejected", "epsilon_spent", "ledger_charges", "round_seconds",
                "aggregation_seconds", "local_train_seconds", "metric_oracle_loss", "metric_oracle_gap", "metric_oracle_distance"}
     for record in records:
         assert set(record) <= allowed, set(record) - allowed
