@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from rfedray.config import ConfigError, load_config
+from rfedray.federated.loop import Federation
 from rfedray.federated.rundir import RunDirectory
 from rfedray.runner import run_local
 from rfedray.threads import PARALLEL_MIN_ELEMENTS, choose_threads
@@ -34,7 +35,7 @@ def test_local_engine_sets_its_threads(tmp_path, override, expected):
     cfg = load_config(None, ["run.engine=local", *overrides])
     torch.set_num_threads(3)
     try:
-        run_local(cfg, RunDirectory.create(str(tmp_path), f"threads-{override}"), [])
+        run_local(Federation.prepare(cfg, RunDirectory.create(str(tmp_path), f"threads-{override}")))
         assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(1)
