@@ -1,116 +1,51 @@
 """The privacy accountant of a Ray run: one actor that holds every client's budget.
 
-:class:`AccountantActor` wraps the run's :class:`~rfedray.privacy.ledger.PrivacyLedger`. Its
-:meth:`~AccountantActor.authorize` charges a round's cohort before any client trains and writes the
-ledger to the run directory's ``budget.json`` before it returns (write-ahead); it refuses, charging
-nothing, when a client would pass the target epsilon (the loop then halts the run). The actor runs
-on the driver's node, where the run directory is, and Ray restarts it whenever it dies; a restarted
-actor reloads ``budget.json``, so a restart never forgets spent budget.
+The actor is a :class:`~rfedray.federated.resume.WriteAheadLedger`: its
+:meth:`~rfedray.federated.resume.WriteAheadLedger.authorize` charges a round's cohort before any
+client trains and writes the ledger to the run directory's ``budget.json`` before it returns
+(write-ahead; the actor is the file's only writer); it refuses, charging nothing, when a client
+would pass the target epsilon (the loop then halts the run). The actor runs on the driver's node,
+where the run directory is, and Ray restarts it whenever it dies; a restarted actor reloads
+``budget.json``, so a restart never forgets spent budget.
 
 Every charge carries a request id: Ray re-sends a call that was in flight when the actor died, and
 the restarted actor answers a request it had already persisted without charging it twice.
 
-:class:`RemoteLedger` is what the federation loop holds instead of a local ledger.
+:class:`RemoteLedger` is what the federation loop holds instead of a local ledger. A round costs
+it one call: the authorization carries the epsilon after the charge and the ledger's state.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rfedray.errors import RfedrayError
-from rfedray.federated.rundir import atomic_write_json
+from rfedray.federated.resume import WriteAheadLedger
 from rfedray.privacy.ledger import Authorization, PrivacyLedger
 
 
-@contextmanager
-def user_errors_as_rfedray_errors() -> Iterator[None]:
-    """Re-raise rfedray's user errors as plain :class:`RfedrayError` with the same message.
-
-    Ray pickles an actor's exception to the caller, and the subclasses (``ConfigError``,
-    ``PrivacyParameterError``) do not unpickle (their constructors take three arguments).
-    """
-    try:
-        yield
-    except RfedrayError as exc:
-        raise RfedrayError(str(exc)) from None
-
-
-class AccountantActor:
-    """Every client's privacy budget, persisted before each round trains.
-
-    Parameters
-    ----------
-    ledger : PrivacyLedger
-        A fresh ledger for the run's mechanism (the actor's own copy).
-    fingerprint : dict
-        What the accounting depends on (see :func:`rfedray.federated.resume.accounting_fingerprint`);
-        written with the ledger, and a ``budget.json`` with another one is not loaded.
-    budget_path : str
-        The run directory's ``budget.json``.
-    """
-
-    def __init__(self, ledger: PrivacyLedger, fingerprint: dict, budget_path: str):
-        self._ledger, self._fingerprint, self._path = ledger, fingerprint, Path(budget_path)
-        self._last: Optional[dict] = None
-        if self._path.is_file():
-            saved = json.loads(self._path.read_text())
-            if saved.get("fingerprint") == fingerprint:
-                self._ledger.load_state_dict(saved["ledger"])
-                self._last = saved.get("request")
-
-    def authorize(self, cohort: Sequence[int], request: str) -> Authorization:
-        """Charge the cohort (see :meth:`PrivacyLedger.authorize`) and persist before returning.
-
-        Parameters
-        ----------
-        cohort : sequence of int
-        request : str
-            Unique per round; a repeated request is answered without charging again.
-        """
-        if self._last is not None and self._last["id"] == request:
-            return Authorization(self._last["granted"], self._last["reason"], self._last["epsilon_after"])
-        with user_errors_as_rfedray_errors():
-            auth = self._ledger.authorize(cohort)
-        if auth.granted:
-            self._last = {"id": request, "granted": True, "reason": auth.reason, "epsilon_after": auth.epsilon_after}
-            state = {"fingerprint": self._fingerprint, "ledger": self._ledger.state_dict(), "request": self._last}
-            atomic_write_json(self._path, state)
-        return auth
-
-    def epsilon_spent(self) -> float:
-        return self._ledger.epsilon_spent()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._ledger.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        with user_errors_as_rfedray_errors():
-            self._ledger.load_state_dict(state)
-
-
 def start_accountant(ledger: PrivacyLedger, fingerprint: dict, budget_path: Path):
-    """The accountant actor, pinned to this (the driver's) node and restarted whenever it dies."""
+    """The accountant actor (a :class:`WriteAheadLedger` of ``ledger``), pinned to this (the
+    driver's) node and restarted whenever it dies."""
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    actor_cls = ray.remote(AccountantActor).options(
+    actor_cls = ray.remote(WriteAheadLedger).options(
         num_cpus=0, max_restarts=-1, max_task_retries=-1, scheduling_strategy=here,
     )
     return actor_cls.remote(ledger, fingerprint, str(budget_path))
 
 
 class RemoteLedger:
-    """The :class:`PrivacyLedger` interface the federation loop uses, answered by the actor.
+    """The ledger interface the federation loop uses, answered by the accountant actor.
 
     Parameters
     ----------
     actor : ray.actor.ActorHandle
-        An :class:`AccountantActor`.
+        A :class:`WriteAheadLedger` actor (:func:`start_accountant`).
     """
 
     def __init__(self, actor):
@@ -127,14 +62,15 @@ class RemoteLedger:
                 "directory keeps every charge: continue with rfedray run --resume RUN_DIR"
             ) from None
 
-    def authorize(self, cohort: Sequence[int]) -> Authorization:
-        return self._call("authorize", [int(c) for c in cohort], uuid.uuid4().hex)
+    def authorize(self, cohort: Sequence[int], count: int = 1, round: Optional[int] = None) -> Authorization:
+        """Charge and persist in one call (a unique request id makes a re-sent call harmless)."""
+        return self._call("authorize", [int(c) for c in cohort], count, round, uuid.uuid4().hex)
 
-    def epsilon_spent(self) -> float:
+    def epsilon_spent(self) -> Optional[float]:
         return self._call("epsilon_spent")
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> Optional[dict[str, Any]]:
         return self._call("state_dict")
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._call("load_state_dict", dict(state))
+    def load_state_dict(self, state: Optional[Mapping[str, Any]]) -> None:
+        self._call("load_state_dict", None if state is None else dict(state))

@@ -76,10 +76,9 @@ class RayExecutor:
         threads = choose_threads(cfg.federation.batch_size, fed.dataset.info["record_shape"],
                                  max(1, int(cfg.ray.num_cpus_per_actor)), cfg.run.threads)
         self.pool = ClientPool(cfg, local_plan(cfg, fed.privacy), blocks, threads)
-        ledger = fed.make_ledger()
-        if ledger is not None:
+        if fed.privacy.private:  # a run without privacy keeps its null ledger in the server
             fingerprint = accounting_fingerprint(cfg, fed.privacy, fed.sizes)
-            self.accountant = start_accountant(ledger, fingerprint, fed.run_dir.budget)
+            self.accountant = start_accountant(fed.make_ledger(), fingerprint, fed.run_dir.budget)
             try:
                 ray.get(self.accountant.epsilon_spent.remote(), timeout=ACTOR_START_TIMEOUT_S)
             except ray.exceptions.RayError as exc:

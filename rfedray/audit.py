@@ -234,9 +234,9 @@ class Auditor:
         self.direction = canary_direction(covariance, projector, self.model.p)
         self.canary = plan.canary_norm * self.direction
         privacy = self.fed.privacy
-        self.local_plan = dataclasses.replace(
-            local_plan(cfg, privacy), sigma=privacy.sigma * plan.noise_scale, clip=privacy.clip * plan.clip_scale,
-        )
+        used = dataclasses.replace(privacy.mechanism, sigma=privacy.sigma * plan.noise_scale,
+                                   clip=privacy.mechanism.clip * plan.clip_scale)
+        self.local_plan = dataclasses.replace(local_plan(cfg, privacy), mechanism=used)
 
     def _claim(self) -> tuple[int, float, float]:
         """Rounds the run trains before the ledger halts it, the canary client's epsilon, the transcript's."""
@@ -297,8 +297,8 @@ class Auditor:
             "violated": test["epsilon_lower"] > self.epsilon_claimed,
             "delta": delta, "confidence": confidence, "trials": self.plan.trials,
             "calibration_trials": half, "test_trials": self.plan.trials - half, "rounds": self.rounds,
-            "sigma_claimed": privacy.sigma, "sigma_used": self.local_plan.sigma,
-            "clip_claimed": privacy.clip, "clip_used": self.local_plan.clip,
+            "sigma_claimed": privacy.sigma, "sigma_used": self.local_plan.mechanism.sigma,
+            "clip_claimed": privacy.mechanism.clip, "clip_used": self.local_plan.mechanism.clip,
             "canary_norm": self.plan.canary_norm, "canary_client": self.plan.canary_client,
             "score_mean_without": float(null.mean()), "score_mean_with": float(alt.mean()),
             "seeded": self.plan.seed is not None, "wall_seconds": time.perf_counter() - started,

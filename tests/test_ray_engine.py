@@ -129,6 +129,38 @@ def test_accountant_actor_halts_at_the_target_in_a_placement_group(tmp_path):
     assert sum(json.loads(rd.budget.read_text())["ledger"]["participations"]) == last * 3
 
 
+def test_a_round_costs_one_accounting_round_trip_and_the_actor_alone_writes_the_budget(tmp_path):
+    """The loop asks the accountant actor once a round (the authorization carries the epsilon and the
+    ledger's state), and once more for the summary; budget.json is the actor's (its request ids)."""
+    cfg = small_cfg(tmp_path, "run.engine=ray", "run.checkpoint_every=2")
+    rd = RunDirectory.create(str(tmp_path), "round-trips")
+    fed = Federation.prepare(cfg, rd)
+    executor = ray_executor(fed)
+    calls = []
+    remote = fed.ledger_factory
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(self.inner, name)
+
+    fed.ledger_factory = lambda: Counting(remote())
+    try:
+        summary = fed.run(executor)
+    finally:
+        executor.close()
+    rounds = cfg.run.rounds
+    assert summary["rounds_completed"] == rounds
+    assert calls.count("authorize") == rounds and len(calls) == rounds + 1, calls
+    saved = json.loads(rd.budget.read_text())
+    assert saved["request"]["granted"] and saved["round"] == rounds - 1
+    assert saved["ledger"]["participations"] == torch.load(rd.checkpoint, weights_only=True)["ledger"]["participations"]
+    assert sum(saved["ledger"]["participations"]) == rounds * cfg.federation.clients_per_round
+
+
 def test_remote_ledger_raises_the_accountants_errors_as_one_line(tmp_path):
     cfg = small_cfg(tmp_path)
     rd = RunDirectory.create(str(tmp_path), "remote-ledger")

@@ -31,6 +31,7 @@ from rfedray.privacy.mechanism import (
     noise_generator, nonprivate_gradient, private_gradient_with_noise, rule_gradient, sample_batch, standard_noise,
 )
 from rfedray.privacy.randomness import SecureGenerator
+from rfedray.privacy.plan import GaussianMechanism
 from rfedray.task import ClientData, FederatedModel, Params
 
 
@@ -44,10 +45,9 @@ class LocalPlan:
         tau and B.
     total_rounds : int
         T, for learning-rate schedules (the step index is ``round * tau + j``).
-    clip : float
-        C.
-    sigma : float or None
-        Absolute noise standard deviation; ``None`` for the non-private baseline.
+    mechanism : GaussianMechanism or None
+        The private step's clip C and noise sigma (the run's privacy plan's); ``None`` for the
+        non-private baseline.
     noise_seed : int or None
         ``None``: OS entropy. An integer makes the run reproducible and not for production.
     """
@@ -55,13 +55,17 @@ class LocalPlan:
     local_steps: int
     batch_size: int
     total_rounds: int
-    clip: float
-    sigma: Optional[float]
+    mechanism: Optional[GaussianMechanism]
     noise_seed: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.mechanism is not None and self.mechanism.batch_size != self.batch_size:
+            raise ValueError(f"batch_size={self.batch_size}: the mechanism is accounted with "
+                             f"batch_size={self.mechanism.batch_size}")
 
     @property
     def private(self) -> bool:
-        return self.sigma is not None
+        return self.mechanism is not None
 
 
 @dataclass
@@ -168,9 +172,10 @@ class Client:
         clients.
         """
         if self.plan.private:
+            mechanism = self.plan.mechanism
             return private_gradient_with_noise(
                 self.model.per_sample_loss, params, self.product, batch,
-                clip=self.plan.clip, sigma=self.plan.sigma, noise=noise, rule=self.model.gradient_rule,
+                clip=mechanism.clip, sigma=mechanism.sigma, noise=noise, rule=self.model.gradient_rule,
             )
         return nonprivate_gradient(self.model.per_sample_loss, params, self.product, batch)
 
@@ -180,7 +185,8 @@ class Client:
         the operations broadcast over it (:func:`rule_gradient`); otherwise ``vmap`` over clients."""
         rule = self.model.gradient_rule
         if self.plan.private and rule is not None:
-            return rule_gradient(rule, params, self.product, batch, clip=self.plan.clip, sigma=self.plan.sigma,
+            mechanism = self.plan.mechanism
+            return rule_gradient(rule, params, self.product, batch, clip=mechanism.clip, sigma=mechanism.sigma,
                                  noise=noise, batch_size=self.plan.batch_size)
         return vmap(self._gradient, in_dims=(0, 0, 0 if self.plan.private else None))(params, batch, noise)
 

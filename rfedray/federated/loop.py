@@ -24,14 +24,14 @@ import torch
 from rfedray.config import Config, to_yaml
 from rfedray.federated.client import LocalResult
 from rfedray.federated.executor import Executor
-from rfedray.federated.resume import Checkpoints, RunState, accounting_fingerprint
+from rfedray.federated.resume import Checkpoints, RunState, WriteAheadLedger, accounting_fingerprint
 from rfedray.federated.rundir import RunDirectory, atomic_write_json
 from rfedray.federated.server import Server, cohort
 from rfedray.federated.setup import (
-    PrivacyPlan, build_dataset, build_model, build_scheme, check_client_sizes, initial_params,
-    local_plan, resolve_privacy,
+    build_dataset, build_model, build_scheme, check_client_sizes, initial_params, local_plan, resolve_privacy,
 )
 from rfedray.geometry import ProductManifold
+from rfedray.privacy.plan import PrivacyPlan
 from rfedray.task import FederatedDataset, FederatedModel, Params
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class Federation:
     sizes: list[int]
     privacy: PrivacyPlan
     observers: list[RoundObserver] = field(default_factory=list)
-    ledger_factory: Optional[Callable[[], Any]] = None  # the ledger run() charges; default make_ledger (Ray: the accountant actor)
+    ledger_factory: Optional[Callable[[], Any]] = None  # the ledger run() charges; default write_ahead_ledger (Ray: the accountant actor)
 
     @classmethod
     def prepare(cls, cfg: Config, run_dir: RunDirectory, observers: Optional[list] = None) -> "Federation":
@@ -76,17 +76,12 @@ class Federation:
         return ProductManifold(self.model.groups)
 
     def make_ledger(self):
-        from rfedray.privacy.accountants import ACCOUNTANTS
-        from rfedray.privacy.ledger import PrivacyLedger
+        """A fresh ledger of the run (a NullLedger when it is not private)."""
+        return self.privacy.ledger(self.sizes)
 
-        if not self.privacy.enabled:
-            return None
-        fed = self.cfg.federation
-        return PrivacyLedger(
-            ACCOUNTANTS[self.privacy.accountant](), sigma=self.privacy.sigma, clip=self.privacy.clip,
-            batch_size=fed.batch_size, local_steps=fed.local_steps, delta=self.privacy.delta,
-            epsilon_target=self.privacy.epsilon_target, client_sizes=self.sizes,
-        )
+    def write_ahead_ledger(self) -> WriteAheadLedger:
+        """The ledger the loop charges on the local engine: it writes ``budget.json`` before each round trains."""
+        return WriteAheadLedger(self.make_ledger(), self.checkpoints().fingerprint, self.run_dir.budget)
 
     def local_executor(self) -> Executor:
         from rfedray.federated.executor import LocalExecutor
@@ -100,11 +95,11 @@ class Federation:
     def run(self, executor: Executor, resume: bool = False) -> dict:
         """Run (or resume) the rounds; return the summary that is also written to ``summary.json``."""
         cfg, rd = self.cfg, self.run_dir
-        ledger = self.ledger_factory() if self.ledger_factory is not None else self.make_ledger()
+        ledger = self.ledger_factory() if self.ledger_factory is not None else self.write_ahead_ledger()
         server = self._server()
         checkpoints = self.checkpoints()
         seeded = cfg.privacy.noise_seed is not None
-        if seeded and self.privacy.enabled:
+        if seeded and self.privacy.private:
             log.warning("privacy.noise_seed is set: reproducible noise, NOT FOR PRODUCTION")
         # Load every piece of data before the run directory is touched: a bad input fails here.
         eval_data = self.dataset.eval_data()
@@ -120,12 +115,10 @@ class Federation:
         for t in range(start_round, cfg.run.rounds):
             round_start = time.perf_counter()
             chosen = cohort(cfg.run.seed, t, cfg.federation.n_clients, cfg.federation.clients_per_round)
-            if ledger is not None:
-                auth = ledger.authorize(chosen)
-                if not auth.granted:
-                    halted, halt_reason = True, auth.reason
-                    break
-                atomic_write_json(rd.budget, {"fingerprint": checkpoints.fingerprint, "ledger": ledger.state_dict(), "round": t})
+            auth = ledger.authorize(chosen, 1, t)
+            if not auth.granted:
+                halted, halt_reason = True, auth.reason
+                break
             results = executor.train(chosen, theta, t, opt_states)
             answered = {cid: r for cid, r in results.items() if isinstance(r, LocalResult)}
             failures = [cid for cid in chosen if not isinstance(results.get(cid), LocalResult)]
@@ -148,7 +141,7 @@ class Federation:
                 "answered": len(answered) - len(rejected_ids & set(answered)),
                 "failed": len(failures),
                 "rejected": len(rejected),
-                "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
+                "epsilon_spent": auth.epsilon_after,
                 "round_seconds": time.perf_counter() - round_start,
                 "aggregation_seconds": agg_seconds,
                 "local_train_seconds": sorted(r.train_seconds for r in answered.values()),  # no client order
@@ -158,22 +151,23 @@ class Federation:
             for obs in self.observers:
                 obs.on_round(record)
             if (t + 1) % cfg.run.checkpoint_every == 0 or t + 1 == cfg.run.rounds:
-                checkpoints.save(RunState(theta, t + 1, opt_states, counters, last_metrics), ledger)
+                checkpoints.save(RunState(theta, t + 1, opt_states, counters, last_metrics), auth.state)
         else:
             t = cfg.run.rounds
         rounds_completed = t
+        private = self.privacy.private
         summary = {
             "run_id": rd.run_id,
             "engine": cfg.run.engine,
             "rounds_completed": rounds_completed,
             "rounds_planned": cfg.run.rounds,
-            "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
-            "epsilon_target": cfg.privacy.epsilon if self.privacy.enabled else None,
-            "delta": self.privacy.delta if self.privacy.enabled else None,
+            "epsilon_spent": ledger.epsilon_spent(),
+            "epsilon_target": cfg.privacy.epsilon if private else None,
+            "delta": self.privacy.delta if private else None,
             "sigma": self.privacy.sigma,
-            "clip": self.privacy.clip if self.privacy.enabled else None,
-            "accountant": self.privacy.accountant if self.privacy.enabled else None,
-            "private": self.privacy.enabled,
+            "clip": cfg.privacy.clip if private else None,
+            "accountant": self.privacy.accountant if private else None,
+            "private": private,
             "not_for_production": seeded,
             "halted": halted,
             "halt_reason": halt_reason,

@@ -20,32 +20,37 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
 from rfedray.config import Config, ConfigError
 from rfedray.errors import RfedrayError
-from rfedray.federated.rundir import RunDirectory
+from rfedray.federated.rundir import RunDirectory, atomic_write_json
+from rfedray.privacy.ledger import Authorization
+from rfedray.privacy.plan import PrivacyPlan
 from rfedray.task import Params
 
 FINGERPRINT_NOTES = {"data.client_sizes": "the clients' record counts differ"}
 """How a changed accounting setting is described when its value is not readable (a hash)."""
 
 
-def accounting_fingerprint(cfg: Config, privacy: Any, sizes: list[int]) -> dict:
+def accounting_fingerprint(cfg: Config, privacy: PrivacyPlan, sizes: list[int]) -> dict:
     """Everything the ledger's numbers depend on; a resume must not change any of it.
 
     Parameters
     ----------
     cfg : Config
-    privacy : rfedray.federated.setup.PrivacyPlan
-        Its :meth:`fingerprint` (whether private, sigma, clip, delta, accountant).
+    privacy : PrivacyPlan
+        The run's resolved plan (its sigma, calibrated when the configuration left it null).
     sizes : list of int
         Every client's record count.
     """
+    p = cfg.privacy
     return {
-        "privacy": privacy.fingerprint(),
+        "privacy": {"enabled": privacy.private, "sigma": privacy.sigma, "clip": p.clip, "delta": p.delta,
+                    "accountant": p.accountant},
         "federation.local_steps": cfg.federation.local_steps,
         "federation.batch_size": cfg.federation.batch_size,
         "federation.n_clients": cfg.federation.n_clients,
@@ -107,15 +112,16 @@ class Checkpoints:
         self.run_dir, self.fingerprint, self.rounds = run_dir, fingerprint, rounds
         self.shapes = {k: tuple(v.shape) for k, v in initial.items()}
 
-    def save(self, state: RunState, ledger) -> None:
-        """Write ``checkpoint.pt`` for ``state`` (after round ``state.round - 1``)."""
+    def save(self, state: RunState, ledger: Optional[dict]) -> None:
+        """Write ``checkpoint.pt`` for ``state`` (after round ``state.round - 1``) with ``ledger``,
+        the ledger's state after that round's charge (None when not private)."""
         self.run_dir.write_checkpoint({
             "round": state.round,
             "theta": {k: v.detach().cpu() for k, v in state.theta.items()},
             "optimizer_states": state.optimizer_states,
             "counters": dict(state.counters),
             "fingerprint": self.fingerprint,
-            "ledger": ledger.state_dict() if ledger is not None else None,
+            "ledger": ledger,
             "last_metrics": dict(state.last_metrics),
         })
 
@@ -173,13 +179,7 @@ class Checkpoints:
         rd = self.run_dir
         if not rd.budget.is_file():
             return None
-        try:
-            saved = json.loads(rd.budget.read_text())
-        except (OSError, ValueError) as exc:
-            raise RfedrayError(
-                f"--resume {rd.path}: budget.json is unreadable ({type(exc).__name__}); it records the privacy "
-                "budget spent, so the run cannot continue without it: restore it from a backup"
-            ) from None
+        saved = read_budget(rd.budget, f"--resume {rd.path}")
         if not isinstance(saved, dict) or saved.get("fingerprint") != self.fingerprint or "ledger" not in saved:
             raise RfedrayError(
                 f"--resume {rd.path}: budget.json was not written for this run's accounting set-up "
@@ -207,8 +207,8 @@ class Checkpoints:
 
         Parameters
         ----------
-        ledger : PrivacyLedger or None
-            A fresh ledger of the run (None when not private): the saved budget is loaded into it.
+        ledger : PrivacyLedger, NullLedger or a remote ledger
+            The run's ledger: the saved budget is loaded into it.
 
         Raises
         ------
@@ -217,8 +217,7 @@ class Checkpoints:
         """
         state = self.run_dir.read_checkpoint()
         self._check_checkpoint(state)
-        if ledger is not None:
-            self._load_ledger(ledger, state)
+        self._load_ledger(ledger, state)
         self.run_dir.metrics_before(state["round"])
         return RunState(
             theta=state["theta"], round=state["round"], optimizer_states=state["optimizer_states"],
@@ -229,6 +228,87 @@ class Checkpoints:
         """:meth:`check`, then drop the rounds after the checkpoint from ``metrics.jsonl`` and log the resume."""
         state = self.check(ledger)
         self.run_dir.truncate_metrics(state.round)
-        self.run_dir.append_metrics({"event": "resumed", "round": state.round,
-                                     "epsilon_spent": ledger.epsilon_spent() if ledger else None})
+        self.run_dir.append_metrics({"event": "resumed", "round": state.round, "epsilon_spent": ledger.epsilon_spent()})
         return state
+
+
+def read_budget(path: Path, where: str) -> Any:
+    """The JSON of ``budget.json`` at ``path``.
+
+    Raises
+    ------
+    RfedrayError
+        When it cannot be read or parsed (``where`` starts the message): the spent budget is lost.
+    """
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise RfedrayError(
+            f"{where}: budget.json is unreadable ({type(exc).__name__}); it records the privacy "
+            "budget spent, so the run cannot continue without it: restore it from a backup"
+        ) from None
+
+
+class WriteAheadLedger:
+    """A ledger whose every granted charge is in ``budget.json`` before :meth:`authorize` returns.
+
+    The only writer of ``budget.json``: the loop's on the local engine, the accountant actor's on
+    Ray (:mod:`actors.accountant_actor`, which Ray restarts: a restarted one reloads the file). It
+    loads ``budget.json`` when the file was written for the same accounting fingerprint.
+
+    Every charge may carry a request id: a caller that re-sends a request it could not see answered
+    (Ray re-sends a call in flight when the actor died) gets the earlier answer, charged once.
+
+    Parameters
+    ----------
+    ledger : PrivacyLedger or NullLedger
+        A fresh ledger of the run (its own copy); a NullLedger writes nothing.
+    fingerprint : dict
+        What the accounting depends on (:func:`accounting_fingerprint`), written with the ledger.
+    budget_path : str or Path
+        The run directory's ``budget.json``.
+    """
+
+    def __init__(self, ledger, fingerprint: dict, budget_path: str | Path):
+        self._ledger, self._fingerprint, self._path = ledger, fingerprint, Path(budget_path)
+        self._last: Optional[dict] = None
+        if self._path.is_file():
+            saved = read_budget(self._path, str(self._path.parent))
+            if isinstance(saved, dict) and saved.get("fingerprint") == fingerprint and "ledger" in saved:
+                self._ledger.load_state_dict(saved["ledger"])
+                self._last = saved.get("request")
+
+    def authorize(self, cohort: Sequence[int], count: int = 1, round: Optional[int] = None,
+                  request: Optional[str] = None) -> Authorization:
+        """Charge the cohort (:meth:`PrivacyLedger.authorize`) and persist the ledger before returning.
+
+        Parameters
+        ----------
+        cohort : sequence of int
+        count : int
+            Participations each client releases in the round.
+        round : int or None
+            The round being charged, recorded with the ledger.
+        request : str or None
+            Unique per round; a repeated request is answered without charging again.
+        """
+        if request is not None and self._last is not None and self._last["id"] == request:
+            return Authorization(self._last["granted"], self._last["reason"], self._last["epsilon_after"],
+                                 self._ledger.state_dict())
+        auth = self._ledger.authorize(cohort, count)
+        if auth.granted and auth.state is not None:
+            written = {"fingerprint": self._fingerprint, "ledger": auth.state, "round": round}
+            if request is not None:
+                self._last = {"id": request, "granted": True, "reason": auth.reason, "epsilon_after": auth.epsilon_after}
+                written["request"] = self._last
+            atomic_write_json(self._path, written)
+        return auth
+
+    def epsilon_spent(self) -> Optional[float]:
+        return self._ledger.epsilon_spent()
+
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        return self._ledger.state_dict()
+
+    def load_state_dict(self, state: Optional[Mapping[str, Any]]) -> None:
+        self._ledger.load_state_dict(state)
