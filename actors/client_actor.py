@@ -1,4 +1,4 @@
-"""Client actors: Ray processes that host clients of the federation, and the pool that places them.
+"""Client actors: Ray processes that host clients of a federation, and the pool that places them.
 
 A :class:`ClientActor` hosts a fixed block of clients (sticky: a client never moves to another
 actor, so its data never moves). It builds their data itself from the data spec of the
@@ -13,6 +13,12 @@ The clients of the core are stateless between rounds (optimiser state comes back
 and is kept by the server side; randomness is a function of ``(noise_seed, client, round)`` or OS
 entropy), so an actor that Ray restarts (``ray.max_restarts``) or that the pool re-creates simply
 rebuilds its clients and nothing is lost.
+
+A :class:`TaskHostActor` is the same for the loops that hand their clients a client task
+(M-estimation, DDP-SA: :mod:`rfedray.federated.engine`): a
+:class:`~rfedray.federated.engine.ClientHost` of a sticky block of clients, built from a task spec
+in its own process. What its clients keep between rounds (a DDP-SA client's clip threshold) lives
+in the actor and starts afresh when Ray restarts it.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rfedray.config import Config, ConfigError
+from rfedray.config import Config, ConfigError, RayConfig
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import ClientFailure, LocalPlan, LocalResult
+from rfedray.federated.engine import ClientHost, TaskSpec
 from rfedray.federated.executor import LocalExecutor
 from rfedray.federated.setup import build_dataset, build_model
 from rfedray.task import ClientData
@@ -157,7 +164,35 @@ class ClientActor:
 RemoteClientActor = ray.remote(ClientActor)
 
 
-def assign_clients(n_clients: int, cfg: Config, cluster_cpus: float) -> list[list[int]]:
+class TaskHostActor(ClientHost):
+    """Hosts a block of clients and runs the client tasks of a round on them (one Ray actor).
+
+    Parameters
+    ----------
+    spec : TaskSpec
+        Builds the data and the model here (records never travel).
+    client_ids : sequence of int
+        The clients this actor hosts, for its whole life and every restart; their data is built now.
+    threads : int
+        torch and BLAS threads of this process.
+    """
+
+    def __init__(self, spec: TaskSpec, client_ids: Sequence[int], threads: int):
+        use_threads(threads)
+        super().__init__(spec, client_ids)
+        for cid in self.client_ids:
+            self.client(cid)
+
+    def describe(self) -> dict[str, Any]:
+        """Where this actor runs: process, node, threads, hosted client ids."""
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "device": "cpu",
+                "threads": torch.get_num_threads(), "clients": list(self.client_ids)}
+
+
+RemoteTaskHostActor = ray.remote(TaskHostActor)
+
+
+def assign_clients(n_clients: int, r: RayConfig, cluster_cpus: float) -> list[list[int]]:
     """Sticky blocks of client ids, one per client actor.
 
     ``ray.clients_per_actor`` > 0 makes blocks of that size; 0 spreads the clients evenly over
@@ -169,7 +204,6 @@ def assign_clients(n_clients: int, cfg: Config, cluster_cpus: float) -> list[lis
     ConfigError
         If the two settings disagree or there would be more actors than clients.
     """
-    r = cfg.ray
     if r.clients_per_actor > 0:
         actors = math.ceil(n_clients / r.clients_per_actor)
         if r.num_client_actors is not None and r.num_client_actors != actors:
@@ -188,7 +222,7 @@ def assign_clients(n_clients: int, cfg: Config, cluster_cpus: float) -> list[lis
     return [block.tolist() for block in np.array_split(np.arange(n_clients), actors)]
 
 
-def check_capacity(cfg: Config, actors: int, resources: Mapping[str, float]) -> None:
+def check_capacity(r: RayConfig, actors: int, resources: Mapping[str, float]) -> None:
     """Refuse actor counts and sizes the cluster cannot host at all (instead of waiting for them).
 
     Raises
@@ -197,7 +231,7 @@ def check_capacity(cfg: Config, actors: int, resources: Mapping[str, float]) -> 
         Naming the per-actor resource that the cluster's total cannot cover.
     """
     for resource, field in (("CPU", "ray.num_cpus_per_actor"), ("GPU", "ray.num_gpus_per_actor")):
-        per_actor = getattr(cfg.ray, field.split(".")[1])
+        per_actor = getattr(r, field.split(".")[1])
         have = resources.get(resource, 0.0)
         if actors * per_actor > have + 1e-9:
             raise ConfigError(field, per_actor, f"{actors} client actors need {actors * per_actor:g} {resource} "
@@ -212,53 +246,54 @@ class ClientPool:
 
     Parameters
     ----------
-    cfg : Config
-    plan : LocalPlan
+    ray_cfg : RayConfig
+        Placement, resources and restarts of the actors.
     blocks : list of list of int
         The clients of every actor (see :func:`assign_clients`).
-    threads : int
-        torch and BLAS threads of every actor (at most ``ray.num_cpus_per_actor``, see
-        :func:`rfedray.threads.choose_threads`).
+    actor_class : ray actor class
+        :data:`RemoteClientActor` or :data:`RemoteTaskHostActor`.
+    **actor_args
+        Its constructor's arguments besides ``client_ids`` (the slot's block).
     """
 
-    def __init__(self, cfg: Config, plan: LocalPlan, blocks: list[list[int]], threads: int):
-        self.cfg, self.plan, self.blocks, self.threads = cfg, plan, blocks, threads
+    def __init__(self, ray_cfg: RayConfig, blocks: list[list[int]], actor_class, **actor_args):
+        self.ray_cfg, self.blocks, self.actor_class, self.actor_args = ray_cfg, blocks, actor_class, actor_args
         self.placement_group: Optional[PlacementGroup] = None
-        if cfg.ray.placement != "SPREAD":
+        if ray_cfg.placement != "SPREAD":
             self.placement_group = self._reserve()
         self.actors = [self._create(slot) for slot in range(len(blocks))]
         self.slot_of = {cid: slot for slot, block in enumerate(blocks) for cid in block}
 
     def _bundle(self) -> dict[str, float]:
-        r = self.cfg.ray
+        r = self.ray_cfg
         return {k: v for k, v in (("CPU", r.num_cpus_per_actor), ("GPU", r.num_gpus_per_actor)) if v > 0}
 
     def _reserve(self) -> PlacementGroup:
         bundle = self._bundle()
         if not bundle:
-            raise ConfigError("ray.placement", self.cfg.ray.placement,
+            raise ConfigError("ray.placement", self.ray_cfg.placement,
                               "a placement group needs ray.num_cpus_per_actor > 0 or ray.num_gpus_per_actor > 0")
-        pg = placement_group([bundle] * len(self.blocks), strategy=self.cfg.ray.placement)
+        pg = placement_group([bundle] * len(self.blocks), strategy=self.ray_cfg.placement)
         try:
             ray.get(pg.ready(), timeout=ACTOR_START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(pg)
             raise RfedrayError(
-                f"ray.placement={self.cfg.ray.placement}: the cluster cannot place {len(self.blocks)} bundles of "
+                f"ray.placement={self.ray_cfg.placement}: the cluster cannot place {len(self.blocks)} bundles of "
                 f"{bundle} within {ACTOR_START_TIMEOUT_S:.0f} s (resources: {ray.cluster_resources()})"
             ) from None
         return pg
 
     def _create(self, slot: int):
-        r = self.cfg.ray
+        r = self.ray_cfg
         strategy: Any = "SPREAD"
         if self.placement_group is not None:
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=slot)
-        actor_cls = RemoteClientActor.options(
+        actor_cls = self.actor_class.options(
             num_cpus=r.num_cpus_per_actor, num_gpus=r.num_gpus_per_actor, max_restarts=r.max_restarts,
             max_task_retries=0, scheduling_strategy=strategy,
         )
-        return actor_cls.remote(self.cfg, self.blocks[slot], self.plan, self.threads)
+        return actor_cls.remote(client_ids=self.blocks[slot], **self.actor_args)
 
     def wait_ready(self) -> list[dict]:
         """Block until every actor is up; return their :meth:`ClientActor.describe`.
@@ -271,7 +306,7 @@ class ClientPool:
         try:
             return ray.get([a.describe.remote() for a in self.actors], timeout=ACTOR_START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            r = self.cfg.ray
+            r = self.ray_cfg
             raise RfedrayError(
                 f"ray.num_client_actors: {len(self.actors)} client actors (num_cpus={r.num_cpus_per_actor}, "
                 f"num_gpus={r.num_gpus_per_actor} each) did not start within {ACTOR_START_TIMEOUT_S:.0f} s; "

@@ -12,7 +12,7 @@ from rfedray.privacy.pld import subsampled_laplace_pld
 from rfedray.ddpsa.mechanism import MedianClip, PrivateQuantileClip, StaticClip, ddpsa_step, laplace_noise, layers_of
 from rfedray.ddpsa.runner import run_ddpsa
 from rfedray.ddpsa.secure_aggregation import LocalAggregators
-from rfedray.mestimation.engine import LocalEngine, TaskSpec
+from rfedray.federated.engine import LocalEngine, TaskSpec
 from rfedray.privacy.mechanism import noise_generator
 
 SPEC = TaskSpec("rfedray.data.sklearn_data", "rfedray.models.logreg",
@@ -118,16 +118,16 @@ def test_ddpsa_config_is_validated():
 
 @pytest.mark.slow
 def test_ray_engine_with_aggregator_actors():
-    from rfedray.ddpsa.secure_aggregation import RayAggregators
-    from rfedray.mestimation.engine import RayEngine
+    from actors.aggregators import RayAggregators
+    from actors.engine import ray_task_engine
 
+    engine = ray_task_engine(SPEC, SPEC.n_clients, num_hosts=2)
     group = RayAggregators(3)
-    engine = RayEngine(SPEC, num_hosts=2)
     try:
         ray_run = _run(StaticClip(1.0), 8.0, rounds=3, group=group, engine=engine)
     finally:
-        engine.close()
         group.close()
+        engine.close()
     local = _run(StaticClip(1.0), 8.0, rounds=3)
     for k in local["theta"]:
         assert torch.allclose(ray_run["theta"][k], local["theta"][k], atol=1e-6)

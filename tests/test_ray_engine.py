@@ -180,17 +180,17 @@ def test_ray_settings_checked_before_start():
     with pytest.raises(ConfigError, match="ray.device"):
         check_ray_config(cfg)
     with pytest.raises(ConfigError, match="ray.num_client_actors"):
-        assign_clients(4, load_config(None, ["ray.num_client_actors=5"]), 2)
+        assign_clients(4, load_config(None, ["ray.num_client_actors=5"]).ray, 2)
     with pytest.raises(ConfigError, match="ray.num_client_actors"):
-        assign_clients(10, load_config(None, ["ray.clients_per_actor=3", "ray.num_client_actors=2"]), 2)
-    assert assign_clients(10, load_config(None, ["ray.clients_per_actor=4"]), 2) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    assert assign_clients(5, load_config(None, []), 2) == [[0, 1, 2], [3, 4]]
-    assert assign_clients(5, load_config(None, ["ray.num_cpus_per_actor=0.5"]), 2) == [[0, 1], [2], [3], [4]]
+        assign_clients(10, load_config(None, ["ray.clients_per_actor=3", "ray.num_client_actors=2"]).ray, 2)
+    assert assign_clients(10, load_config(None, ["ray.clients_per_actor=4"]).ray, 2) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert assign_clients(5, load_config(None, []).ray, 2) == [[0, 1, 2], [3, 4]]
+    assert assign_clients(5, load_config(None, ["ray.num_cpus_per_actor=0.5"]).ray, 2) == [[0, 1], [2], [3], [4]]
     with pytest.raises(ConfigError, match="ray.num_gpus_per_actor"):
-        check_capacity(load_config(None, ["ray.num_gpus_per_actor=0.25"]), 2, {"CPU": 2.0})
+        check_capacity(load_config(None, ["ray.num_gpus_per_actor=0.25"]).ray, 2, {"CPU": 2.0})
     with pytest.raises(ConfigError, match="ray.num_cpus_per_actor"):
-        check_capacity(load_config(None, ["ray.num_cpus_per_actor=1.5"]), 2, {"CPU": 2.0})
-    check_capacity(load_config(None, ["ray.num_gpus_per_actor=0.125"]), 8, {"CPU": 16.0, "GPU": 1.0})
+        check_capacity(load_config(None, ["ray.num_cpus_per_actor=1.5"]).ray, 2, {"CPU": 2.0})
+    check_capacity(load_config(None, ["ray.num_gpus_per_actor=0.125"]).ray, 8, {"CPU": 16.0, "GPU": 1.0})
 
 
 @pytest.mark.parametrize("where", ["config", "environment"])

@@ -49,7 +49,7 @@ def test_the_ledger_and_the_calibration_refuse_an_approximation():
 
 
 def test_mestimation_refuses_the_clt_accountant():
-    from rfedray.mestimation.engine import LocalEngine, TaskSpec
+    from rfedray.federated.engine import LocalEngine, TaskSpec
     from rfedray.mestimation.strategies import FedSGD
 
     spec = TaskSpec("rfedray.data.sklearn_data", "rfedray.models.logreg",

@@ -28,7 +28,7 @@ from rfedray.ddpsa.mechanism import ClipPolicy, ddpsa_step, layers_of
 from rfedray.ddpsa.secure_aggregation import AggregatorGroup, FixedPointCodec, collect_sum, send_update
 from rfedray.federated.client import ClientFailure, round_generator
 from rfedray.federated.server import cohort as draw_cohort
-from rfedray.mestimation.engine import Engine, HostedClient
+from rfedray.federated.engine import Engine, HostedClient
 from rfedray.mestimation.local import ParamLayout, StepPlan
 from rfedray.privacy import checks
 from rfedray.privacy.accountants import LaplaceAccountant, LaplaceStep, calibrate_noise

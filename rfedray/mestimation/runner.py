@@ -21,7 +21,7 @@ import torch
 
 from rfedray.federated.client import ClientFailure
 from rfedray.federated.server import cohort as draw_cohort
-from rfedray.mestimation.engine import Engine
+from rfedray.federated.engine import Engine
 from rfedray.mestimation.local import ParamLayout, StepPlan
 from rfedray.mestimation.strategies import FedNewton, Strategy
 from rfedray.privacy.plan import GaussianMechanism, PrivacyPlan
