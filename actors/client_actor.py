@@ -4,7 +4,7 @@ A :class:`ClientActor` hosts a fixed block of clients (sticky: a client never mo
 actor, so its data never moves). It builds their data itself from the data spec of the
 configuration, in its own process, so raw records never pass through the driver or the object
 store. The clients of the cohort it hosts are trained together, one set of kernels for all of them
-(:mod:`rfedray.federated.batched`), with the results of training them one by one. Its only
+(:func:`rfedray.federated.client.train_together`), with the results of training them one by one. Its only
 training method returns, per client, a
 :class:`~rfedray.federated.client.LocalResult` (submission, optimiser state, train seconds: all
 privatised) or a :class:`~rfedray.federated.client.ClientFailure`.
