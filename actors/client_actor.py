@@ -1,10 +1,10 @@
-"""Client actors: Ray processes that host clients of the federation, and the pool that places them.
+"""Client actors: Ray processes that host clients of a federation, and the pool that places them.
 
 A :class:`ClientActor` hosts a fixed block of clients (sticky: a client never moves to another
 actor, so its data never moves). It builds their data itself from the data spec of the
 configuration, in its own process, so raw records never pass through the driver or the object
 store. The clients of the cohort it hosts are trained together, one set of kernels for all of them
-(:mod:`rfedray.federated.batched`), with the results of training them one by one. Its only
+(:func:`rfedray.federated.client.train_together`), with the results of training them one by one. Its only
 training method returns, per client, a
 :class:`~rfedray.federated.client.LocalResult` (submission, optimiser state, train seconds: all
 privatised) or a :class:`~rfedray.federated.client.ClientFailure`.
@@ -13,6 +13,12 @@ The clients of the core are stateless between rounds (optimiser state comes back
 and is kept by the server side; randomness is a function of ``(noise_seed, client, round)`` or OS
 entropy), so an actor that Ray restarts (``ray.max_restarts``) or that the pool re-creates simply
 rebuilds its clients and nothing is lost.
+
+A :class:`TaskHostActor` is the same for the loops that hand their clients a client task
+(M-estimation, DDP-SA: :mod:`rfedray.federated.engine`): a
+:class:`~rfedray.federated.engine.ClientHost` of a sticky block of clients, built from a task spec
+in its own process. What its clients keep between rounds (a DDP-SA client's clip threshold) lives
+in the actor and starts afresh when Ray restarts it.
 """
 
 from __future__ import annotations
@@ -30,10 +36,11 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.cluster import ClusterShape, ClusterWait, actor_bundle
-from rfedray.config import Config, ConfigError
+from rfedray.config import Config, ConfigError, RayConfig
 from rfedray.cuda import cuda_report
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import ClientFailure, LocalPlan, LocalResult
+from rfedray.federated.engine import ClientHost, TaskSpec
 from rfedray.federated.executor import LocalExecutor
 from rfedray.federated.setup import GivenTask, build_dataset, build_model
 from rfedray.task import ClientData
@@ -189,7 +196,35 @@ class ClientActor:
 RemoteClientActor = ray.remote(ClientActor)
 
 
-def assign_clients(n_clients: int, cfg: Config, cluster_cpus: float) -> list[list[int]]:
+class TaskHostActor(ClientHost):
+    """Hosts a block of clients and runs the client tasks of a round on them (one Ray actor).
+
+    Parameters
+    ----------
+    spec : TaskSpec
+        Builds the data and the model here (records never travel).
+    client_ids : sequence of int
+        The clients this actor hosts, for its whole life and every restart; their data is built now.
+    threads : int
+        torch and BLAS threads of this process.
+    """
+
+    def __init__(self, spec: TaskSpec, client_ids: Sequence[int], threads: int):
+        use_threads(threads)
+        super().__init__(spec, client_ids)
+        for cid in self.client_ids:
+            self.client(cid)
+
+    def describe(self) -> dict[str, Any]:
+        """Where this actor runs: process, node, threads, hosted client ids."""
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "device": "cpu",
+                "threads": torch.get_num_threads(), "clients": list(self.client_ids)}
+
+
+RemoteTaskHostActor = ray.remote(TaskHostActor)
+
+
+def assign_clients(n_clients: int, r: RayConfig, cluster_cpus: float) -> list[list[int]]:
     """Sticky blocks of client ids, one per client actor.
 
     ``ray.clients_per_actor`` > 0 makes blocks of that size; 0 spreads the clients evenly over
@@ -201,7 +236,6 @@ def assign_clients(n_clients: int, cfg: Config, cluster_cpus: float) -> list[lis
     ConfigError
         If the two settings disagree or there would be more actors than clients.
     """
-    r = cfg.ray
     if r.clients_per_actor > 0:
         actors = math.ceil(n_clients / r.clients_per_actor)
         if r.num_client_actors is not None and r.num_client_actors != actors:
@@ -231,24 +265,23 @@ class ClientPool:
     Parameters
     ----------
     cfg : Config
-    plan : LocalPlan
+        Its ``ray`` section: placement, resources, restarts and start-up deadline of the actors.
     blocks : list of list of int
         The clients of every actor (see :func:`assign_clients`).
-    threads : int
-        torch and BLAS threads of every actor (at most ``ray.num_cpus_per_actor``, see
-        :func:`rfedray.threads.choose_threads`).
     shape : ClusterShape
         The cluster, already checked to be able to host the actors (:meth:`ClusterShape.check`).
-    given : GivenTask, optional
-        The user's model or dataset objects, sent to every actor.
+    actor_class : ray actor class
+        :data:`RemoteClientActor` or :data:`RemoteTaskHostActor`.
+    actor_args : dict
+        Its constructor's arguments besides ``client_ids`` (the slot's block).
     runtime_env : dict, optional
         Ray runtime environment of the actors (the user's code, :func:`actors.session.user_code_env`).
     """
 
-    def __init__(self, cfg: Config, plan: LocalPlan, blocks: list[list[int]], threads: int, shape: ClusterShape,
-                 given: Optional[GivenTask] = None, runtime_env: Optional[dict] = None):
-        self.cfg, self.plan, self.blocks, self.threads = cfg, plan, blocks, threads
-        self.given, self.runtime_env = given, runtime_env
+    def __init__(self, cfg: Config, blocks: list[list[int]], shape: ClusterShape, actor_class, actor_args: dict,
+                 runtime_env: Optional[dict] = None):
+        self.cfg, self.blocks, self.actor_class, self.actor_args = cfg, blocks, actor_class, actor_args
+        self.runtime_env = runtime_env
         self.placement_group: Optional[PlacementGroup] = None
         self.slot_of = {cid: slot for slot, block in enumerate(blocks) for cid in block}
         self.startup = ClusterWait(cfg, len(blocks), shape)
@@ -280,11 +313,11 @@ class ClientPool:
         strategy: Any = "SPREAD"
         if self.placement_group is not None:
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=slot)
-        actor_cls = RemoteClientActor.options(
+        actor_cls = self.actor_class.options(
             num_cpus=r.num_cpus_per_actor, num_gpus=r.num_gpus_per_actor, max_restarts=r.max_restarts,
             max_task_retries=0, scheduling_strategy=strategy, runtime_env=self.runtime_env,
         )
-        return actor_cls.remote(self.cfg, self.blocks[slot], self.plan, self.threads, self.given)
+        return actor_cls.remote(client_ids=self.blocks[slot], **self.actor_args)
 
     def wait_ready(self) -> list[dict]:
         """Block until every actor is up; return their :meth:`ClientActor.describe`.

@@ -1,30 +1,37 @@
-"""The Ray executor: a cohort's local training on the client actors, within the round deadline.
+"""The Ray engines: a cohort's work on the client actors, within the round deadline.
 
 A round: theta_t is put in the object store once; each client actor with clients in the cohort gets
-one call; the executor waits for the answers until ``ray.round_timeout_s``. A call to an actor that
-Ray is restarting, or that is still busy with an earlier round, waits for it within that deadline.
-An actor that dies during its call, a call that fails and a missed deadline make the actor's
-clients dropouts of the round (:class:`~rfedray.federated.client.ClientFailure`). Ray restarts
-killed actors (``ray.max_restarts``); the executor re-creates the ones that died for good, and the
-cluster schedules them when it has room again.
+one call; the engine waits for the answers until the round deadline (``ray.round_timeout_s``). A
+call to an actor that Ray is restarting, or that is still busy with an earlier round, waits for it
+within that deadline. An actor that dies during its call, a call that fails and a missed deadline
+make the actor's clients dropouts of the round (:class:`~rfedray.federated.client.ClientFailure`).
+Ray restarts killed actors (``ray.max_restarts``); the engine re-creates the ones that died for
+good, and the cluster schedules them when it has room again. :class:`ActorCalls` does this for both
+engines:
 
-:func:`ray_executor` also serves a federation run in the calling process (tests, benchmarks).
+* :class:`RayExecutor` (:func:`ray_executor`): DP-RFedProj's local training on
+  :class:`~actors.client_actor.ClientActor` s; it also serves a federation run in the calling
+  process (tests, benchmarks).
+* :class:`RayTaskEngine` (:func:`ray_task_engine`): the client tasks of M-estimation and DDP-SA
+  (:mod:`rfedray.federated.engine`) on :class:`~actors.client_actor.TaskHostActor` s.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ray
 
 from actors.accountant_actor import RemoteLedger, start_accountant
-from actors.client_actor import ClientPool, assign_clients
+from actors.client_actor import ClientPool, RemoteClientActor, RemoteTaskHostActor, assign_clients
 from actors.cluster import ClusterShape
 from actors.session import RaySession, check_ray_config, user_code_env
+from rfedray.config import Config, RayConfig
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import ClientFailure, LocalResult
+from rfedray.federated.engine import ClientTask, TaskSpec
 from rfedray.federated.loop import Federation
 from rfedray.federated.resume import accounting_fingerprint
 from rfedray.federated.setup import local_plan
@@ -47,56 +54,22 @@ LATE = {
 """Why a client actor's clients are dropouts at the deadline, by what its slot was waiting on."""
 
 
-class RayExecutor:
-    """Runs a cohort's local training on the client actors (implements the core's Executor).
+class ActorCalls:
+    """One call per client actor of a cohort, answered within the round deadline through restarts.
 
     Parameters
     ----------
-    session : RaySession
+    pool : ClientPool
+        The actors and the clients each hosts.
     timeout_s : float
-        The round deadline, ``ray.round_timeout_s``.
-    runtime_env : dict, optional
-        Of the client actors (:func:`~actors.session.user_code_env`).
+        The round deadline.
     """
 
-    def __init__(self, session: RaySession, timeout_s: float, runtime_env: Optional[dict] = None):
-        self.session, self.timeout_s, self.runtime_env = session, timeout_s, runtime_env
-        self.pool: Optional[ClientPool] = None
-        self.accountant = None
+    def __init__(self, pool: ClientPool, timeout_s: float):
+        self.pool, self.timeout_s = pool, timeout_s
         self._inflight: dict[int, ray.ObjectRef] = {}
         self._dead: set[int] = set()
         self._restarting: set[int] = set()
-
-    def start(self, fed: Federation) -> list[dict]:
-        """Start the client actors and, for a private run, the accountant; wait until they are up.
-
-        Returns
-        -------
-        list of dict
-            Every client actor's :meth:`~actors.client_actor.ClientActor.describe`.
-        """
-        cfg = fed.cfg
-        shape = ClusterShape.discover()
-        blocks = assign_clients(cfg.federation.n_clients, cfg, ray.cluster_resources().get("CPU", 0.0))
-        shape.check(cfg, len(blocks))
-        threads = choose_threads(cfg.federation.batch_size, fed.dataset.info.get("record_shape", ()),
-                                 max(1, int(cfg.ray.num_cpus_per_actor)), cfg.run.threads)
-        self.pool = ClientPool(cfg, local_plan(cfg, fed.privacy), blocks, threads, shape, fed.given, self.runtime_env)
-        ledger = fed.make_ledger()
-        if ledger is not None:
-            fingerprint = accounting_fingerprint(cfg, fed.privacy, fed.sizes)
-            self.accountant = start_accountant(ledger, fingerprint, fed.run_dir)
-            try:
-                ray.get(self.accountant.epsilon_spent.remote(), timeout=ACCOUNTANT_START_TIMEOUT_S)
-            except ray.exceptions.RayError as exc:
-                raise RfedrayError(f"the privacy accountant actor did not start ({type(exc).__name__}): "
-                                   f"{str(exc).strip().splitlines()[-1]}") from None
-            fed.ledger_factory = lambda: RemoteLedger(self.accountant)
-        return self.pool.wait_ready()
-
-    def describe(self) -> list[dict]:
-        """Every client actor's :meth:`~actors.client_actor.ClientActor.describe` (waits for it)."""
-        return ray.get([a.describe.remote() for a in self.pool.actors])
 
     def _outcome(self, slot: int, ref: ray.ObjectRef) -> dict | str:
         """The answer of a finished call or probe, or why there is none; notes the actor's state."""
@@ -114,7 +87,7 @@ class RayExecutor:
         self._restarting.discard(slot)
         return answer
 
-    def _next_step(self, slot: int, call_args: tuple) -> tuple[ray.ObjectRef, str]:
+    def _next_step(self, slot: int, call: Callable[[], ray.ObjectRef]) -> tuple[ray.ObjectRef, str]:
         """What ``slot`` waits on now: its earlier round's call, a probe of its restart, or this round's call."""
         earlier = self._inflight.get(slot)
         if earlier is not None:
@@ -127,20 +100,23 @@ class RayExecutor:
             self._dead.discard(slot)
         if slot in self._restarting:
             return self.pool.actors[slot].describe.remote(), "probe"
-        self._inflight[slot] = self.pool.actors[slot].train.remote(*call_args)
+        self._inflight[slot] = call()
         return self._inflight[slot], "call"
 
-    def train(
-        self, cohort: Sequence[int], theta: Params, round_index: int, states: Mapping[int, dict]
-    ) -> dict[int, LocalResult | ClientFailure]:
-        """Local training of ``cohort`` on the actors hosting it, within the round deadline.
+    def run(self, cohort: Sequence[int], call: Callable[[Any, list[int]], ray.ObjectRef],
+            round_index: int) -> dict[int, Any]:
+        """``call(actor, members)`` on every actor hosting clients of ``cohort``; each client's answer.
 
         Each actor gets one call. It waits, within the deadline, for the actor to be ready: for
         its call of an earlier round to end, for Ray to restart it, or for a re-created actor to
-        start. A call that fails (the actor died while training, or the call errored) and a call
+        start. A call that fails (the actor died during it, or the call errored) and a call
         without answer at the deadline make the actor's clients dropouts of the round.
+
+        Returns
+        -------
+        dict
+            Per client of ``cohort``, by actor, what the call answered for it or a ClientFailure.
         """
-        theta_ref = ray.put(theta)
         groups = self.pool.group(cohort)
         deadline = time.monotonic() + self.timeout_s
         answers: dict[int, dict | str] = {}
@@ -148,7 +124,7 @@ class RayExecutor:
 
         def advance(slot: int) -> None:
             members = groups[slot]
-            ref, kind = self._next_step(slot, (members, theta_ref, round_index, {c: states.get(c) for c in members}))
+            ref, kind = self._next_step(slot, lambda: call(self.pool.actors[slot], members))
             waiting[ref] = (slot, kind)
 
         for slot in groups:
@@ -163,7 +139,7 @@ class RayExecutor:
                     time.sleep(min(PROBE_INTERVAL_S, max(0.0, deadline - time.monotonic())))
                 advance(slot)
         late = {slot: f"{LATE[kind]} at ray.round_timeout_s={self.timeout_s:g}" for slot, kind in waiting.values()}
-        results: dict[int, LocalResult | ClientFailure] = {}
+        results: dict[int, Any] = {}
         for slot, members in sorted(groups.items()):
             answer = answers[slot] if slot in answers else late[slot]
             if isinstance(answer, str):
@@ -173,6 +149,69 @@ class RayExecutor:
                 missing = ClientFailure("the client actor returned no result for it")
                 results.update({cid: answer.get(cid, missing) for cid in members})
         return results
+
+
+class RayExecutor:
+    """Runs a cohort's local training on the client actors (implements the core's Executor).
+
+    Parameters
+    ----------
+    session : RaySession
+    timeout_s : float
+        The round deadline, ``ray.round_timeout_s``.
+    runtime_env : dict, optional
+        Of the client actors (:func:`~actors.session.user_code_env`).
+    """
+
+    def __init__(self, session: RaySession, timeout_s: float, runtime_env: Optional[dict] = None):
+        self.session, self.timeout_s, self.runtime_env = session, timeout_s, runtime_env
+        self.pool: Optional[ClientPool] = None
+        self.calls: Optional[ActorCalls] = None
+        self.accountant = None
+
+    def start(self, fed: Federation) -> list[dict]:
+        """Start the client actors and, for a private run, the accountant; wait until they are up.
+
+        Returns
+        -------
+        list of dict
+            Every client actor's :meth:`~actors.client_actor.ClientActor.describe`.
+        """
+        cfg = fed.cfg
+        shape = ClusterShape.discover()
+        blocks = assign_clients(cfg.federation.n_clients, cfg.ray, ray.cluster_resources().get("CPU", 0.0))
+        shape.check(cfg, len(blocks))
+        threads = choose_threads(cfg.federation.batch_size, fed.dataset.info.get("record_shape", ()),
+                                 max(1, int(cfg.ray.num_cpus_per_actor)), cfg.run.threads)
+        args = {"cfg": cfg, "plan": local_plan(cfg, fed.privacy), "threads": threads, "given": fed.given}
+        self.pool = ClientPool(cfg, blocks, shape, RemoteClientActor, args, self.runtime_env)
+        self.calls = ActorCalls(self.pool, self.timeout_s)
+        if fed.privacy.private:  # a run without privacy keeps its null ledger in the server
+            fingerprint = accounting_fingerprint(cfg, fed.privacy, fed.sizes)
+            self.accountant = start_accountant(fed.make_ledger(), fingerprint, fed.run_dir)
+            try:
+                ray.get(self.accountant.epsilon_spent.remote(), timeout=ACCOUNTANT_START_TIMEOUT_S)
+            except ray.exceptions.RayError as exc:
+                raise RfedrayError(f"the privacy accountant actor did not start ({type(exc).__name__}): "
+                                   f"{str(exc).strip().splitlines()[-1]}") from None
+            fed.ledger_factory = lambda: RemoteLedger(self.accountant)
+        return self.pool.wait_ready()
+
+    def describe(self) -> list[dict]:
+        """Every client actor's :meth:`~actors.client_actor.ClientActor.describe` (waits for it)."""
+        return ray.get([a.describe.remote() for a in self.pool.actors])
+
+    def train(
+        self, cohort: Sequence[int], theta: Params, round_index: int, states: Mapping[int, dict]
+    ) -> dict[int, LocalResult | ClientFailure]:
+        """Local training of ``cohort`` on the actors hosting it, within the round deadline
+        (:meth:`ActorCalls.run`)."""
+        theta_ref = ray.put(theta)
+
+        def train(actor, members: list[int]) -> ray.ObjectRef:
+            return actor.train.remote(members, theta_ref, round_index, {c: states.get(c) for c in members})
+
+        return self.calls.run(cohort, train, round_index)
 
     def close(self) -> None:
         """Stop the actors; shut Ray down if this run started it."""
@@ -212,3 +251,68 @@ def ray_executor(fed: Federation, runtime_env: Optional[dict] = None) -> RayExec
         executor.close()
         raise
     return executor
+
+
+class RayTaskEngine:
+    """Runs client tasks on task-host actors (implements :class:`rfedray.federated.engine.Engine`).
+
+    Answers every client of the cohort in cohort order, as the local engine does, so that a loop
+    combining the answers in that order computes the same bits on both engines.
+
+    Parameters
+    ----------
+    session : RaySession
+    pool : ClientPool
+        Of :class:`~actors.client_actor.TaskHostActor` s.
+    timeout_s : float
+        The round deadline.
+    """
+
+    def __init__(self, session: RaySession, pool: ClientPool, timeout_s: float):
+        self.session, self.pool = session, pool
+        self.calls = ActorCalls(pool, timeout_s)
+
+    def run(self, cohort: Sequence[int], task: ClientTask, theta: Params, round_index: int) -> dict[int, Any]:
+        """``task`` on every client of ``cohort``, on the actors hosting them, within the round deadline."""
+        theta_ref, task_ref = ray.put(theta), ray.put(task)
+
+        def run(actor, members: list[int]) -> ray.ObjectRef:
+            return actor.run.remote(members, task_ref, theta_ref, round_index)
+
+        answers = self.calls.run(cohort, run, round_index)
+        return {cid: answers[cid] for cid in cohort}
+
+    def close(self) -> None:
+        """Stop the actors; shut Ray down if this engine started it."""
+        self.pool.close()
+        self.session.close()
+
+
+def ray_task_engine(spec: TaskSpec, n_clients: int, num_hosts: int, address: Optional[str] = None,
+                    timeout_s: float = RayConfig.round_timeout_s) -> RayTaskEngine:
+    """A Ray engine of ``num_hosts`` task-host actors (one CPU and one torch thread each) over
+    ``n_clients`` clients built from ``spec``; Ray connected (``address``, ``RAY_ADDRESS``) or started.
+
+    Raises
+    ------
+    RfedrayError
+        When Ray cannot be reached or the actors cannot start.
+    """
+    session = RaySession.open(address)
+    try:
+        hosts = Config(ray=RayConfig(num_client_actors=min(num_hosts, n_clients), num_cpus_per_actor=1.0,
+                                     device="cpu", round_timeout_s=timeout_s))
+        shape = ClusterShape.discover()
+        blocks = assign_clients(n_clients, hosts.ray, ray.cluster_resources().get("CPU", 0.0))
+        shape.check(hosts, len(blocks))
+        pool = ClientPool(hosts, blocks, shape, RemoteTaskHostActor, {"spec": spec, "threads": 1})
+    except BaseException:
+        session.close()
+        raise
+    engine = RayTaskEngine(session, pool, timeout_s)
+    try:
+        pool.wait_ready()
+    except BaseException:
+        engine.close()
+        raise
+    return engine

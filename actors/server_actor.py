@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import ExitStack
-from typing import Optional
+from contextlib import ExitStack, contextmanager
+from typing import Iterator, Optional
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.accountant_actor import user_errors_as_rfedray_errors
 from actors.engine import ray_executor
 from rfedray.config import Config
+from rfedray.errors import RfedrayError
 from rfedray.federated.loop import Federation
 from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.setup import GivenTask
@@ -43,6 +43,22 @@ SERVER_NAMESPACE = "rfedray"
 
 RELAYED_LOGGERS = ("rfedray", "actors")
 """Loggers whose warnings the server keeps for the driver to log."""
+
+
+@contextmanager
+def user_errors_as_rfedray_errors() -> Iterator[None]:
+    """Re-raise rfedray's user errors as plain :class:`RfedrayError` with the same message and exit status.
+
+    Ray wraps an actor's exception in a class derived from the exception's own, and cannot build
+    one for the subclasses (``ConfigError``, ``PrivacyParameterError``) whose constructors take
+    three arguments; a plain RfedrayError always reaches the driver intact.
+    """
+    try:
+        yield
+    except RfedrayError as exc:
+        plain = RfedrayError(str(exc))
+        plain.exit_code = exc.exit_code
+        raise plain from None
 
 
 class WarningRelay(logging.Handler):

@@ -24,6 +24,7 @@ import time
 from rfedray.privacy import paper
 from rfedray.privacy.accountants import ExactAccountant, calibrate_sigma
 from rfedray.privacy.ledger import PrivacyLedger
+from rfedray.privacy.plan import GaussianMechanism
 
 
 def _cpu(fn) -> float:
@@ -38,14 +39,14 @@ def bench(epsilon: float, clip: float, repeat: int) -> dict:
                   records=s.records, clip=clip)
     sigma = calibrate_sigma(ExactAccountant(), epsilon=epsilon, **budget)
     calibrate = [_cpu(lambda: calibrate_sigma(ExactAccountant(), epsilon=epsilon, **budget)) for _ in range(repeat)]
-    one = dict(sigma=sigma, clip=clip, batch_size=s.batch_size, records=s.records, rounds=s.rounds,
-               local_steps=s.local_steps, delta=s.delta)
-    fresh = [_cpu(lambda: ExactAccountant().epsilon(**one)) for _ in range(repeat)]
+    mechanism = GaussianMechanism(sigma, clip, s.batch_size)
+    step = mechanism.step(s.records)
+    fresh = [_cpu(lambda: ExactAccountant().epsilon(step, rounds=s.rounds, local_steps=s.local_steps, delta=s.delta))
+             for _ in range(repeat)]
     checks = []
     for _ in range(repeat):
-        ledger = PrivacyLedger(ExactAccountant(), sigma=sigma, clip=clip, batch_size=s.batch_size,
-                               local_steps=s.local_steps, delta=s.delta, epsilon_target=epsilon,
-                               client_sizes=[s.records] * s.n_clients)
+        ledger = PrivacyLedger(ExactAccountant(), mechanism, local_steps=s.local_steps, delta=s.delta,
+                               epsilon_target=epsilon, client_sizes=[s.records] * s.n_clients)
         state = ledger.state_dict()
         state["participations"] = [s.rounds - 1] + [s.rounds // 2] * (s.n_clients - 1)
         ledger.load_state_dict(state)

@@ -1,9 +1,9 @@
 """Clients of one executor trained together against the same clients trained one by one.
 
 A client actor hosting 10 clients of a round runs their local training in one process. Vectorised
-(:func:`rfedray.federated.batched.train_together`, the executor's default): each local step is one
+(:func:`rfedray.federated.client.train_together`, the executor's default): each local step is one
 set of kernels for the 10 clients. One by one (``LocalExecutor(vectorise=False)``):
-:meth:`~rfedray.federated.client.Client.local_train` client after client. The two executors train
+:meth:`~rfedray.federated.client.Client.local_train` (the kernel's one-client case) client after client. The two executors train
 the same cohort from the same theta_t with the same seeded randomness (the results are equal, see
 ``tests/test_batched_clients.py``), alternating round by round in this process; the time of a
 round's training is the process's CPU time (the work, not the waits for a core on shared machines).

@@ -91,7 +91,7 @@ from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.setup import build_scheme, local_plan
 from rfedray.geometry import ProductManifold
 from rfedray.models.fedpca import FedPCA
-from rfedray.privacy.accountants import ExactAccountant
+from rfedray.privacy.accountants import ExactAccountant, GaussianStep
 from rfedray.task import ClientData, EvalData, Params
 
 AUDIT_SETTING = (
@@ -109,14 +109,18 @@ LOWER_SHARE = 0.8
 
 class TrialLedger:
     """The ledger of one audit trial, charged as the federation loop charges a run's ledger
-    (``authorize(cohort, round_index)``, the round index naming the charge in a run's journal); a
-    trial is never resumed, so nothing is journaled: every other attribute is the ledger's."""
+    (``authorize(cohort, count, round)``, the round naming the charge in a run's charge log); a
+    trial is never resumed, so nothing is written: every other attribute is the ledger's."""
 
     def __init__(self, ledger):
         self.ledger = ledger
 
-    def authorize(self, cohort, round_index=None):
-        return self.ledger.authorize(cohort)
+    def start(self):
+        """A new trial: its empty ledger's state (for the checkpoint of round 0), no files."""
+        return self.ledger.state_dict()
+
+    def authorize(self, cohort, count=1, round=None):
+        return self.ledger.authorize(cohort, count)
 
     def __getattr__(self, name):
         return getattr(self.ledger, name)
@@ -346,10 +350,10 @@ class RememberingAccountant:
         self.name, self.upper_bound = accountant.name, accountant.upper_bound
         self._values: dict[tuple, float] = {}
 
-    def epsilon(self, **kwargs) -> float:
-        key = tuple(sorted(kwargs.items()))
+    def epsilon(self, step, **kwargs) -> float:
+        key = (step, *sorted(kwargs.items()))
         if key not in self._values:
-            self._values[key] = self.accountant.epsilon(**kwargs)
+            self._values[key] = self.accountant.epsilon(step, **kwargs)
         return self._values[key]
 
     def config(self) -> dict:
@@ -457,8 +461,8 @@ class Transcript:
         if not math.isfinite(mu0):
             return math.inf
         sigma = 2.0 * self.clip / (self.batch_size * mu0)
-        return ExactAccountant().epsilon(sigma=sigma, clip=self.clip, batch_size=self.batch_size, records=self.records,
-                                         rounds=self.participations, local_steps=self.local_steps, delta=self.delta)
+        step = GaussianStep.clipped_mean(sigma=sigma, clip=self.clip, batch_size=self.batch_size, records=self.records)
+        return ExactAccountant().epsilon(step, rounds=self.participations, local_steps=self.local_steps, delta=self.delta)
 
 
 def clopper_pearson_upper(failures: int, trials: int, tail: float) -> float:
@@ -548,9 +552,9 @@ class Auditor:
         self.clients = {i: self.fed.dataset.client_data(i) for i in range(fed_cfg.n_clients)}
         self.eval_data = eval_data
         self.accountant = RememberingAccountant(self.fed.make_ledger().accountant)
-        self.local_plan = dataclasses.replace(
-            local_plan(cfg, privacy), sigma=privacy.sigma * plan.noise_scale, clip=privacy.clip * plan.clip_scale,
-        )
+        used = dataclasses.replace(privacy.mechanism, sigma=privacy.sigma * plan.noise_scale,
+                                   clip=privacy.clip * plan.clip_scale)
+        self.local_plan = dataclasses.replace(local_plan(cfg, privacy), mechanism=used)
 
     def trial(self, index: int, signs: np.ndarray, workdir: str):
         """One federation with the canaries' ``signs`` ``(clients, K)``: the canaries' statistics
@@ -591,6 +595,7 @@ class Auditor:
         from rfedray.threads import available_cpus, choose_threads, use_threads
 
         fed_cfg, privacy = self.cfg.federation, self.fed.privacy
+        clip = privacy.clip
         use_threads(choose_threads(fed_cfg.batch_size, self.fed.dataset.info["record_shape"], available_cpus(),
                                    self.cfg.run.threads))
         started = time.perf_counter()
@@ -606,10 +611,10 @@ class Auditor:
         statistics, signs = np.asarray(statistics), np.asarray(signs)
         smallest = int(np.argmin(self.fed.sizes))
         transcript = Transcript(ledger.participations(smallest), fed_cfg.local_steps, fed_cfg.batch_size,
-                                self.fed.sizes[smallest], privacy.clip, privacy.delta)
+                                self.fed.sizes[smallest], clip, privacy.delta)
         estimate = ShiftEstimate.of(statistics, signs, self.plan.confidence)
         mu0_lower = ratio_from_shift(estimate.lower, transcript.steps, transcript.sampling_rate)
-        mu0_claimed = 2.0 * privacy.clip / (fed_cfg.batch_size * privacy.sigma)
+        mu0_claimed = 2.0 * clip / (fed_cfg.batch_size * privacy.sigma)
         claimed = ledger.client_epsilon(smallest)
         lower = transcript.epsilon(mu0_lower)
         return {
@@ -622,9 +627,9 @@ class Auditor:
             "sampling_rate": transcript.sampling_rate, "shift": estimate.shift, "shift_lower": estimate.lower,
             "shift_expected": linear_shift(mu0_claimed, transcript.steps, transcript.sampling_rate),
             "mu0_claimed": mu0_claimed, "mu0_lower": mu0_lower,
-            "sigma_claimed": privacy.sigma, "sigma_used": self.local_plan.sigma,
-            "sigma_lower": 2.0 * privacy.clip / (fed_cfg.batch_size * mu0_lower) if mu0_lower > 0 else math.inf,
-            "clip_claimed": privacy.clip, "clip_used": self.local_plan.clip, "canary_norm": self.plan.canary_norm,
+            "sigma_claimed": privacy.sigma, "sigma_used": self.local_plan.mechanism.sigma,
+            "sigma_lower": 2.0 * clip / (fed_cfg.batch_size * mu0_lower) if mu0_lower > 0 else math.inf,
+            "clip_claimed": clip, "clip_used": self.local_plan.mechanism.clip, "canary_norm": self.plan.canary_norm,
             "manifold": type(next(iter(self.product.groups.values()))).__name__,
             "gradient_path": "closed-form rule" if self.model.gradient_rule is not None else "vmap(grad)",
             "seeded": self.plan.seed is not None, "wall_seconds": time.perf_counter() - started,

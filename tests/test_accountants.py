@@ -13,12 +13,13 @@ from rfedray.privacy.accountants import (
     ACCOUNTANTS,
     CLTAccountant,
     ExactAccountant,
+    GaussianStep,
     PriRFedAccountant,
-    StepMechanism,
     UPPER_BOUNDS,
     calibrate_sigma,
 )
 from rfedray.privacy.ledger import PrivacyLedger
+from rfedray.privacy.plan import GaussianMechanism
 from rfedray.privacy.checks import PrivacyParameterError
 from rfedray.privacy.gdp import gdp_delta, gdp_epsilon, gdp_mu, subsampled_tradeoff
 from rfedray.privacy.pld import DiscretePLD, subsampled_gaussian_pld
@@ -28,10 +29,16 @@ DELTA = 1e-5
 PAPER = dict(batch_size=500, records=5000, local_steps=10, delta=DELTA)
 
 
+def gaussian_eps(accountant, *, sigma, clip, batch_size, records, rounds, local_steps, delta):
+    """The accountant's epsilon for the Gaussian step of a clipped mean."""
+    step = GaussianStep.clipped_mean(sigma=sigma, clip=clip, batch_size=batch_size, records=records)
+    return accountant.epsilon(step, rounds=rounds, local_steps=local_steps, delta=delta)
+
+
 def exact_eps(accountant=None, **kw):
     args = dict(sigma=0.0242, clip=paper.PAPER_CLIP, rounds=200, **PAPER)
     args.update(kw)
-    return (accountant or ExactAccountant()).epsilon(**args)
+    return gaussian_eps(accountant or ExactAccountant(), **args)
 
 
 @pytest.mark.parametrize("mu, eps", [(0.3, 1.0), (1.0, 2.0), (3.0, 10.0), (0.05, 0.2)])
@@ -46,8 +53,8 @@ def test_q_equal_one_is_the_composed_gaussian_mechanism(mu0, steps):
     """q = 1: C_1(G_mu0) = G_mu0 and T tau steps compose to G_{mu0 sqrt(T tau)} exactly."""
     B = 200
     sigma = 2 * 1.0 / (B * mu0)
-    exact = ExactAccountant(discretization=1e-5).epsilon(
-        sigma=sigma, clip=1.0, batch_size=B, records=B, rounds=steps, local_steps=1, delta=DELTA
+    exact = gaussian_eps(
+        ExactAccountant(discretization=1e-5), sigma=sigma, clip=1.0, batch_size=B, records=B, rounds=steps, local_steps=1, delta=DELTA
     )
     closed = gdp_epsilon(mu0 * math.sqrt(steps), DELTA)
     assert abs(exact - closed) < 1e-6
@@ -115,7 +122,7 @@ def test_gaussian_against_dp_accounting():
     from dp_accounting.pld import privacy_loss_distribution as dpl
 
     mu0, n = 0.05, 400
-    ours = ExactAccountant().epsilon(sigma=2 / (100 * mu0), clip=1.0, batch_size=100, records=100, rounds=n,
+    ours = gaussian_eps(ExactAccountant(), sigma=2 / (100 * mu0), clip=1.0, batch_size=100, records=100, rounds=n,
                                      local_steps=1, delta=DELTA)
     theirs = dpl.from_gaussian_mechanism(standard_deviation=1 / mu0, value_discretization_interval=1e-4)
     assert ours == pytest.approx(theirs.self_compose(n).get_epsilon_for_delta(DELTA), rel=1e-4)
@@ -139,16 +146,16 @@ def test_exact_agrees_with_opacus_gdp_where_the_clt_is_accurate(q, noise_multipl
     sigma = 2 * 1.0 * noise_multiplier / B  # mu0 = 2C / (B sigma) = 1 / noise_multiplier
     kw = dict(sigma=sigma, clip=1.0, batch_size=B, records=round(B / q), rounds=steps, local_steps=1, delta=DELTA)
     theirs = compute_eps_uniform(steps=steps, noise_multiplier=noise_multiplier, sample_rate=q, delta=DELTA)
-    assert ExactAccountant().epsilon(**kw) == pytest.approx(theirs, rel=0.02)
-    assert CLTAccountant().epsilon(**kw) == pytest.approx(theirs, rel=1e-8)
+    assert gaussian_eps(ExactAccountant(), **kw) == pytest.approx(theirs, rel=0.02)
+    assert gaussian_eps(CLTAccountant(), **kw) == pytest.approx(theirs, rel=1e-8)
 
 
 def test_clt_leading_order():
     """mu_tot = 2 C sqrt(T tau) / (m sigma) (1 + O(mu0)), exact in the limit mu0 -> 0."""
-    step = StepMechanism(sigma=0.0242, clip=0.35, batch_size=500, records=5000)
+    step = GaussianStep.clipped_mean(sigma=0.0242, clip=0.35, batch_size=500, records=5000)
     leading = 2 * 0.35 * math.sqrt(2000) / (5000 * 0.0242)
     assert 1 < CLTAccountant.mu_total(step, 2000) / leading < 1 + step.mu
-    tiny = StepMechanism(sigma=1e6, clip=1.0, batch_size=10, records=100)
+    tiny = GaussianStep.clipped_mean(sigma=1e6, clip=1.0, batch_size=10, records=100)
     assert CLTAccountant.mu_total(tiny, 4) == pytest.approx(2 * 1.0 * 2 / (100 * 1e6), rel=1e-9)
 
 
@@ -165,7 +172,7 @@ def test_exact_is_monotone(sigma, factor, steps, extra, records, fewer):
     acc = ExactAccountant()
 
     def eps(s=sigma, n=steps, m=records):
-        return acc.epsilon(sigma=s, clip=1.0, batch_size=50, records=m, rounds=n, local_steps=1, delta=DELTA)
+        return gaussian_eps(acc, sigma=s, clip=1.0, batch_size=50, records=m, rounds=n, local_steps=1, delta=DELTA)
 
     base = eps()
     assert eps(n=steps + extra) >= base
@@ -238,8 +245,8 @@ def test_calibration_meets_the_budget_and_is_tight(name):
     kw = dict(delta=DELTA, rounds=200, local_steps=10, batch_size=500, records=5000, clip=paper.PAPER_CLIP)
     sigma = calibrate_sigma(acc, epsilon=2.0, **kw)
     common = dict(clip=kw["clip"], batch_size=500, records=5000, rounds=200, local_steps=10, delta=DELTA)
-    assert acc.epsilon(sigma=sigma, **common) <= 2.0
-    assert acc.epsilon(sigma=sigma * (1 - 1e-5), **common) > 2.0
+    assert gaussian_eps(acc, sigma=sigma, **common) <= 2.0
+    assert gaussian_eps(acc, sigma=sigma * (1 - 1e-5), **common) > 2.0
 
 
 def test_calibration_is_fast_on_the_paper_setting():
@@ -256,8 +263,8 @@ def test_prirfed_round_budget():
     assert PriRFedAccountant.compose_rounds(eps_r, 200, DELTA) == pytest.approx(1.0, rel=1e-12)
     # Its accounting of the paper's sigma is the advanced composition of the exact round account.
     sigma = 0.131
-    inner = ExactAccountant(1e-5).epsilon(sigma=sigma, clip=paper.PAPER_CLIP, batch_size=500, records=5000,
-                                          rounds=1, local_steps=10, delta=delta_r)
+    inner = gaussian_eps(ExactAccountant(1e-5), sigma=sigma, clip=paper.PAPER_CLIP, batch_size=500, records=5000,
+                         rounds=1, local_steps=10, delta=delta_r)
     total = exact_eps(PriRFedAccountant(), sigma=sigma)
     assert total == pytest.approx(PriRFedAccountant.compose_rounds(inner, 200, DELTA), rel=1e-12)
     assert total == pytest.approx(1.0, rel=0.01)
@@ -275,7 +282,7 @@ def test_table10_reproduced_within_one_percent_with_the_fitted_clip():
 
 def make_ledger(sizes=(5000, 5000, 2000, 3000), target=None, sigma=0.0242, accountant=None, local_steps=10):
     return PrivacyLedger(
-        accountant or ExactAccountant(), sigma=sigma, clip=paper.PAPER_CLIP, batch_size=500, local_steps=local_steps,
+        accountant or ExactAccountant(), GaussianMechanism(sigma, paper.PAPER_CLIP, 500), local_steps=local_steps,
         delta=DELTA, epsilon_target=target, client_sizes=list(sizes),
     )
 

@@ -1,11 +1,12 @@
-"""Clients of a round trained together (rfedray.federated.batched), and the tangent charts the private
-step measures and sums per-sample gradients in.
+"""The one local-training kernel (rfedray.federated.client.train_together, of which Client.local_train
+is the one-client case) against Algorithm 1's client loop written out step by step in this file, and
+the tangent charts the private step measures and sums per-sample gradients in.
 
-Bitwise equality with :meth:`Client.local_train` holds where every matrix product goes through BLAS
-on both paths (the paper's shapes: Gr(40, 4), SPDNet 22 -> 16). For tiny matrices (fewer than 400
-multiply-adds per product) torch's CPU ``bmm`` (the batched path) uses its own loop while ``mm`` (the
-one-client path) calls BLAS: the same sums in another order, equal to a few float32 ulps. Batched
-training is bitwise independent of which clients share the call at every size.
+Bitwise equality with the step-by-step loop holds where every matrix product goes through BLAS on
+both paths (the paper's shapes: Gr(40, 4), SPDNet 22 -> 16). For tiny matrices (fewer than 400
+multiply-adds per product) torch's CPU ``bmm`` (the kernel's stacked path) uses its own loop while
+``mm`` (the loop's) calls BLAS: the same sums in another order, equal to a few float32 ulps. The
+kernel is bitwise independent of which clients share the call at every size.
 """
 
 import json
@@ -14,14 +15,20 @@ import logging
 import pytest
 import torch
 
+from rfedray import aggregation
 from rfedray.config import load_config
-from rfedray.federated import batched, executor as executor_module
+from rfedray.federated import executor as executor_module
+from rfedray.federated.client import LocalResult, batch_key, round_generator, train_together
 from rfedray.federated.executor import LocalExecutor
 from rfedray.federated.loop import Federation, run_federation
 from rfedray.federated.rundir import RunDirectory
-from rfedray.federated.setup import initial_params, local_plan
+from rfedray.federated.setup import build_scheme, initial_params, local_plan
 from rfedray.geometry import Euclidean, Grassmann, ProductManifold, Sphere, Stiefel
-from rfedray.privacy.mechanism import noise_generator, per_sample_gradients, private_gradient, standard_noise
+from rfedray.optim import build_optimizer
+from rfedray.privacy.mechanism import (
+    noise_generator, nonprivate_gradient, per_sample_gradients, private_gradient, private_gradient_with_noise,
+    sample_batch, standard_noise,
+)
 
 COMMON = [
     "federation.n_clients=6", "federation.clients_per_round=4", "federation.local_steps=2",
@@ -57,15 +64,44 @@ def tensors(result):
     return out
 
 
+def algorithm_1(fed, plan, client_id, theta, round_index, optimizer_state):
+    """One client's round of Algorithm 1, step by step, from the library's public pieces (the oracle)::
+
+        for j < tau: draw B records and xi; g = clipped mean of P grad f + P xi; theta <- Opt(g)
+        release Agg.Sub(theta_t, theta_local) and the optimisers' state
+    """
+    cfg, groups = fed.cfg, fed.model.groups
+    product = ProductManifold(groups)
+    records = fed.dataset.client_data(client_id).train
+    optimizers = {g: build_optimizer(cfg.optim.get(g, cfg.optim["default"]), m, plan.total_rounds * plan.local_steps)
+                  for g, m in groups.items()}
+    for g, opt in optimizers.items():
+        opt.load_state_dict((optimizer_state or {}).get(g, {}))
+    generator = round_generator(plan.noise_seed, client_id, round_index)
+    params = {g: v.clone() for g, v in theta.items()}
+    for j in range(plan.local_steps):
+        index = sample_batch(int(records[0].shape[0]), plan.batch_size, generator)
+        noise = standard_noise(product, params, generator) if plan.private else None
+        batch = tuple(r.index_select(0, index) for r in records)
+        if plan.private:
+            grad = private_gradient_with_noise(fed.model.per_sample_loss, params, product, batch,
+                                               clip=plan.mechanism.clip, sigma=plan.mechanism.sigma, noise=noise,
+                                               rule=fed.model.gradient_rule)
+        else:
+            grad = nonprivate_gradient(fed.model.per_sample_loss, params, product, batch)
+        params = {g: optimizers[g].step(params[g], grad[g], round_index * plan.local_steps + j) for g in params}
+    submission = aggregation.submit(build_scheme(cfg), product, theta, params)
+    return LocalResult(submission, {g: opt.state_dict() for g, opt in optimizers.items()}, 0.0)
+
+
 def compare(tmp_path, *overrides, cohorts=COHORTS):
-    """Rounds of the vectorised executor against the one-by-one loop; max |difference| and bitwise flag."""
+    """Rounds of the executor (the kernel) against Algorithm 1's loop; max |difference| and bitwise flag."""
     cfg, fed, plan, theta = federation(tmp_path, *overrides)
     together = LocalExecutor(cfg, fed.dataset, fed.model, plan)
-    one_by_one = LocalExecutor(cfg, fed.dataset, fed.model, plan, vectorise=False)
     states_a, states_b, worst, bitwise = {}, {}, 0.0, True
     for t, chosen in enumerate(cohorts):
         a = together.train(chosen, theta, t, states_a)
-        b = one_by_one.train(chosen, theta, t, states_b)
+        b = {cid: algorithm_1(fed, plan, cid, theta, t, states_b.get(cid)) for cid in chosen}
         assert list(a) == list(b) == chosen
         for cid in chosen:
             ta, tb = tensors(a[cid]), tensors(b[cid])
@@ -80,19 +116,19 @@ def compare(tmp_path, *overrides, cohorts=COHORTS):
 
 @pytest.mark.parametrize("optim", [[], ADAM], ids=["rsgd", "adam"])
 @pytest.mark.parametrize("task", [PCA, SPDNET], ids=["fedpca-grassmann", "spdnet-stiefel"])
-def test_batched_training_is_bitwise_the_one_by_one_training(tmp_path, task, optim):
+def test_the_kernel_is_bitwise_algorithm_1s_loop(tmp_path, task, optim):
     bitwise, worst = compare(tmp_path, *task, *optim)
     assert bitwise, f"max |difference| {worst:.3g}"
 
 
 @pytest.mark.parametrize("optim", [[], ADAM, ["optim.default.name=sgd", "optim.default.momentum=0.9"]],
                          ids=["rsgd", "adam", "sgd-momentum"])
-def test_batched_training_on_tiny_matrices_equals_the_loop_to_float_rounding(tmp_path, optim):
+def test_the_kernel_on_tiny_matrices_equals_algorithm_1s_loop_to_float_rounding(tmp_path, optim):
     _, worst = compare(tmp_path, *TINY_PCA, *optim)
     assert worst <= TINY_ULPS
 
 
-def test_nonprivate_batched_training_is_the_loop(tmp_path):
+def test_the_nonprivate_kernel_is_the_loop(tmp_path):
     bitwise, worst = compare(tmp_path, *PCA, "privacy.enabled=false", cohorts=COHORTS[:2])
     assert bitwise, f"max |difference| {worst:.3g}"
 
@@ -104,11 +140,13 @@ def test_batched_results_do_not_depend_on_the_other_clients_of_the_call(tmp_path
     ex = LocalExecutor(cfg, fed.dataset, fed.model, plan)
     clients = [ex.client(c) for c in range(4)]
     for t in range(2):
-        all_four = batched.train_together(clients, theta, t, [None] * 4)
-        pair = batched.train_together(clients[1:3], theta, t, [None] * 2)
-        alone = [batched.train_together([c], theta, t, [None])[0] for c in clients]
-        for x, y in zip(all_four, alone):
+        all_four = train_together(clients, theta, t, [None] * 4)
+        pair = train_together(clients[1:3], theta, t, [None] * 2)
+        alone = [train_together([c], theta, t, [None])[0] for c in clients]
+        local = [c.local_train(theta, t) for c in clients]  # the one-client case, without vmap
+        for x, y, z in zip(all_four, alone, local):
             assert all(torch.equal(x.submission[g], y.submission[g]) for g in theta)
+            assert all(float((x.submission[g] - z.submission[g]).abs().max()) <= TINY_ULPS for g in theta)
         for x, y in zip(all_four[1:3], pair):
             assert all(torch.equal(x.submission[g], y.submission[g]) for g in theta)
 
@@ -119,13 +157,13 @@ def test_batch_key_groups_clients_by_optimiser_state_structure(tmp_path):
     trained = ex.train([0, 1], theta, 0, {})
     once = {cid: r.optimizer_state for cid, r in trained.items()}
     twice = ex.train([0], theta, 1, once)[0].optimizer_state
-    key = batched.batch_key
+    key = batch_key
     assert key(ex.client(0), None) == key(ex.client(1), None) == key(ex.client(2), {})
     assert key(ex.client(0), once[0]) == key(ex.client(1), once[1])
     assert key(ex.client(0), None) != key(ex.client(0), once[0])
     assert key(ex.client(0), once[0]) != key(ex.client(0), twice)  # Adam step counters differ
     with pytest.raises(ValueError, match="trained together"):
-        batched.train_together([ex.client(0), ex.client(1)], theta, 2, [twice, once[1]])
+        train_together([ex.client(0), ex.client(1)], theta, 2, [twice, once[1]])
 
 
 def test_a_group_that_cannot_be_batched_falls_back_to_the_loop(tmp_path, monkeypatch, caplog):

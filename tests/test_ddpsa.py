@@ -7,11 +7,12 @@ import pytest
 import torch
 from dp_accounting.pld import privacy_loss_distribution
 
-from rfedray.ddpsa.accountant import LaplaceAccountant, subsampled_laplace_pld
+from rfedray.privacy.accountants import LaplaceAccountant, LaplaceStep
+from rfedray.privacy.pld import subsampled_laplace_pld
 from rfedray.ddpsa.mechanism import MedianClip, PrivateQuantileClip, StaticClip, ddpsa_step, laplace_noise, layers_of
 from rfedray.ddpsa.runner import run_ddpsa
 from rfedray.ddpsa.secure_aggregation import LocalAggregators
-from rfedray.mestimation.engine import LocalEngine, TaskSpec
+from rfedray.federated.engine import LocalEngine, TaskSpec
 from rfedray.privacy.mechanism import noise_generator
 
 SPEC = TaskSpec("rfedray.data.sklearn_data", "rfedray.models.logreg",
@@ -33,7 +34,7 @@ def test_subsampled_laplace_is_symmetrised_hence_above_one_direction():
     one_way = privacy_loss_distribution.from_laplace_mechanism(
         parameter=1.0, sensitivity=0.5, sampling_prob=0.05, value_discretization_interval=1e-4).self_compose(100).get_epsilon_for_delta(1e-5)
     assert one_way <= ours <= 1.15 * one_way
-    single = LaplaceAccountant().epsilon(sigma=4.0, clip=1.0, batch_size=1, records=1, rounds=1, local_steps=1, delta=1e-5)
+    single = LaplaceAccountant().epsilon(LaplaceStep(2.0 / 4.0, 1.0), rounds=1, local_steps=1, delta=1e-5)
     assert single == pytest.approx(0.5, abs=1e-3)  # pure epsilon of Lap(b=4) with sensitivity 2C/B = 2
 
 
@@ -117,16 +118,16 @@ def test_ddpsa_config_is_validated():
 
 @pytest.mark.slow
 def test_ray_engine_with_aggregator_actors():
-    from rfedray.ddpsa.secure_aggregation import RayAggregators
-    from rfedray.mestimation.engine import RayEngine
+    from actors.aggregators import RayAggregators
+    from actors.engine import ray_task_engine
 
+    engine = ray_task_engine(SPEC, SPEC.n_clients, num_hosts=2)
     group = RayAggregators(3)
-    engine = RayEngine(SPEC, num_hosts=2)
     try:
         ray_run = _run(StaticClip(1.0), 8.0, rounds=3, group=group, engine=engine)
     finally:
-        engine.close()
         group.close()
+        engine.close()
     local = _run(StaticClip(1.0), 8.0, rounds=3)
     for k in local["theta"]:
         assert torch.allclose(ray_run["theta"][k], local["theta"][k], atol=1e-6)

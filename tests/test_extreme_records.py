@@ -8,7 +8,7 @@ now lets such a record contribute zero (a valid clipped value).
 
 import torch
 
-from rfedray.mestimation.engine import HostedClient
+from rfedray.federated.engine import HostedClient
 from rfedray.mestimation.local import StepPlan, private_hessian
 from rfedray.mestimation.strategies import LocalNewtonTask
 from rfedray.models.logreg import LogisticRegression

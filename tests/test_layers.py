@@ -104,8 +104,6 @@ name, at run time, through ``importlib``; ``plugins`` imports the user's models 
 path the same way)."""
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19, in progress: the M-estimation engine, the secure-aggregation "
-                   "actors and the studies' Ray tasks move to actors/ in the engine step")
 def test_no_module_under_rfedray_imports_ray():
     offenders = sorted(
         f"{name} imports {target}" for name, path in modules().items() if name.startswith("rfedray")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rfedray.data import sklearn_data, vision
-from rfedray.mestimation.engine import LocalEngine, TaskSpec
+from rfedray.federated.engine import LocalEngine, TaskSpec
 from rfedray.mestimation.local import VmapHessian, newton_direction, private_hessian
 from rfedray.mestimation.runner import PrivacySpec, pooled_m_estimator, run_strategy
 from rfedray.mestimation.strategies import FedAvg, FedHybrid, FedNewton, FedSGD
@@ -165,10 +165,10 @@ def test_cli_runs_a_config(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_ray_engine_matches_local(task):
-    from rfedray.mestimation.engine import RayEngine
+    from actors.engine import ray_task_engine
 
     dataset, model, ref = task
-    engine = RayEngine(SPEC, num_hosts=2)
+    engine = ray_task_engine(SPEC, SPEC.n_clients, num_hosts=2)
     try:
         ray_run = run_strategy(FedSGD(2.0), engine, model, dataset, rounds=3, clients_per_round=3, batch_size=100,
                                privacy=PrivacySpec(epsilon=4.0, noise_seed=5), reference=ref)
@@ -177,4 +177,40 @@ def test_ray_engine_matches_local(task):
     local = run_strategy(FedSGD(2.0), LocalEngine(dataset, model), model, dataset, rounds=3, clients_per_round=3,
                          batch_size=100, privacy=PrivacySpec(epsilon=4.0, noise_seed=5), reference=ref)
     for k in local["theta"]:
-        assert torch.allclose(ray_run["theta"][k], local["theta"][k])
+        assert torch.equal(ray_run["theta"][k], local["theta"][k])  # the same bits: answers in cohort order
+
+
+@pytest.mark.slow
+def test_ray_task_engine_restarts_hosts_and_keeps_the_deadline(task):
+    """The M-estimation engine has the main engine's fault handling: a host actor that dies for good
+    makes its clients dropouts of that round and is re-created for the next (whose answers are the
+    local engine's bits); a host that misses the round deadline makes its clients dropouts."""
+    import ray
+
+    from actors.engine import ray_task_engine
+    from rfedray.federated.client import ClientFailure
+    from rfedray.mestimation.local import StepPlan
+    from rfedray.mestimation.strategies import GradientTask
+
+    dataset, model, _ = task
+    theta = model.init_params(torch.Generator().manual_seed(0))
+    gradient = GradientTask(StepPlan(100, 1.0, 0.5, noise_seed=3))
+    cohort = [2, 0, 1]
+    local = LocalEngine(dataset, model).run(cohort, gradient, theta, 1)
+    engine = ray_task_engine(SPEC, SPEC.n_clients, num_hosts=2, timeout_s=60.0)
+    try:
+        assert engine.pool.blocks == [[0, 1], [2]]
+        ray.kill(engine.pool.actors[0], no_restart=True)
+        lost = engine.run(cohort, gradient, theta, 0)
+        assert list(lost) == cohort
+        assert [type(lost[c]).__name__ for c in cohort] == ["dict", "ClientFailure", "ClientFailure"]
+        assert lost[0].reason == "its client actor died"
+        again = engine.run(cohort, gradient, theta, 1)
+        for c in cohort:
+            assert not isinstance(again[c], ClientFailure), again[c]
+            assert all(torch.equal(again[c][k], local[c][k]) for k in local[c])
+        engine.calls.timeout_s = 0.0  # every call misses the deadline
+        late = engine.run(cohort, gradient, theta, 2)
+        assert all(isinstance(late[c], ClientFailure) and "round_timeout_s" in late[c].reason for c in cohort)
+    finally:
+        engine.close()

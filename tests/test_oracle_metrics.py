@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 from rfedray.config import load_config
 from rfedray.federated.loop import run_federation
 from rfedray.federated.rundir import RunDirectory
-from rfedray.mestimation.engine import LocalEngine, TaskSpec
+from rfedray.federated.engine import LocalEngine, TaskSpec
 from rfedray.mestimation.runner import PrivacySpec, pooled_m_estimator, run_strategy
 from rfedray.mestimation.strategies import FedSGD
 from rfedray.observers import MetricsObserver, ProgressObserver

@@ -19,7 +19,7 @@ from rfedray.data.arrays import ClassificationTask
 from rfedray.data.validation import first_nonfinite, spd_problem
 from rfedray.federated.loop import run_federation
 from rfedray.federated.rundir import RunDirectory
-from rfedray.mestimation.engine import LocalEngine, TaskSpec
+from rfedray.federated.engine import LocalEngine, TaskSpec
 from rfedray.mestimation.runner import PrivacySpec, run_strategy
 from rfedray.mestimation.strategies import FedSGD
 from rfedray.privacy.statement import statement

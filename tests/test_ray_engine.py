@@ -141,6 +141,38 @@ def test_accountant_actor_halts_at_the_target_in_a_placement_group(tmp_path):
     assert sum(json.loads(rd.budget.read_text())["ledger"]["participations"]) == last * 3
 
 
+def test_a_round_costs_one_accounting_round_trip_and_the_actor_alone_writes_the_budget(tmp_path):
+    """The loop asks the accountant actor once a round (the authorization carries the epsilon and the
+    ledger's state), and once more for the summary; budget.json is the actor's (its request ids)."""
+    cfg = small_cfg(tmp_path, "run.engine=ray", "run.checkpoint_every=2")
+    rd = RunDirectory.create(str(tmp_path), "round-trips")
+    fed = Federation.prepare(cfg, rd)
+    executor = ray_executor(fed)
+    calls = []
+    remote = fed.ledger_factory
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(self.inner, name)
+
+    fed.ledger_factory = lambda: Counting(remote())
+    try:
+        summary = fed.run(executor)
+    finally:
+        executor.close()
+    rounds = cfg.run.rounds
+    assert summary["rounds_completed"] == rounds
+    assert calls.count("authorize") == rounds and len(calls) == rounds + 1, calls
+    saved = json.loads(rd.budget.read_text())
+    assert saved["request"]["granted"] and saved["round"] == rounds - 1
+    assert saved["ledger"]["participations"] == torch.load(rd.checkpoint, weights_only=True)["ledger"]["participations"]
+    assert sum(saved["ledger"]["participations"]) == rounds * cfg.federation.clients_per_round
+
+
 def test_remote_ledger_raises_the_accountants_errors_as_one_line(tmp_path):
     cfg = small_cfg(tmp_path)
     rd = RunDirectory.create(str(tmp_path), "remote-ledger")
@@ -160,12 +192,12 @@ def test_ray_settings_checked_before_start():
     with pytest.raises(ConfigError, match="ray.device"):
         check_ray_config(cfg)
     with pytest.raises(ConfigError, match="ray.num_client_actors"):
-        assign_clients(4, load_config(None, ["ray.num_client_actors=5"]), 2)
+        assign_clients(4, load_config(None, ["ray.num_client_actors=5"]).ray, 2)
     with pytest.raises(ConfigError, match="ray.num_client_actors"):
-        assign_clients(10, load_config(None, ["ray.clients_per_actor=3", "ray.num_client_actors=2"]), 2)
-    assert assign_clients(10, load_config(None, ["ray.clients_per_actor=4"]), 2) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    assert assign_clients(5, load_config(None, []), 2) == [[0, 1, 2], [3, 4]]
-    assert assign_clients(5, load_config(None, ["ray.num_cpus_per_actor=0.5"]), 2) == [[0, 1], [2], [3], [4]]
+        assign_clients(10, load_config(None, ["ray.clients_per_actor=3", "ray.num_client_actors=2"]).ray, 2)
+    assert assign_clients(10, load_config(None, ["ray.clients_per_actor=4"]).ray, 2) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert assign_clients(5, load_config(None, []).ray, 2) == [[0, 1, 2], [3, 4]]
+    assert assign_clients(5, load_config(None, ["ray.num_cpus_per_actor=0.5"]).ray, 2) == [[0, 1], [2], [3], [4]]
 
 
 @pytest.mark.parametrize("where", ["config", "environment"])

@@ -18,11 +18,10 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from actors.accountant_actor import AccountantActor
 from actors.engine import ray_executor
 from rfedray.federated.client import ClientFailure
 from rfedray.federated.loop import Federation, run_federation
-from rfedray.federated.resume import accounting_fingerprint
+from rfedray.federated.resume import WriteAheadLedger, accounting_fingerprint
 from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.setup import initial_params
 from test_ray_engine import ROOT, SMALL, run_engine, small_cfg
@@ -167,13 +166,13 @@ def test_accountant_persists_before_answering_and_charges_a_request_once(tmp_pat
     rd = RunDirectory.create(str(tmp_path), "unit")
     fed = Federation.prepare(cfg, rd)
     fingerprint = accounting_fingerprint(cfg, fed.privacy, fed.sizes)
-    accountant = AccountantActor(fed.make_ledger(), fingerprint, str(rd.path), "")
-    first = accountant.authorize([0, 1, 2], 0, "round-0")
+    accountant = WriteAheadLedger(fed.make_ledger(), fingerprint, rd)
+    first = accountant.authorize([0, 1, 2], 1, 0, request="round-0")
     assert json.loads(rd.budget.read_text())["ledger"]["participations"] == [1, 1, 1, 0, 0, 0]
-    restarted = AccountantActor(fed.make_ledger(), fingerprint, str(rd.path), "")
-    assert restarted.authorize([0, 1, 2], 0, "round-0") == first
+    restarted = WriteAheadLedger(fed.make_ledger(), fingerprint, rd)
+    assert restarted.authorize([0, 1, 2], 1, 0, request="round-0") == first
     assert restarted.state_dict()["participations"] == [1, 1, 1, 0, 0, 0]
-    restarted.authorize([0, 3], 1, "round-1")
+    restarted.authorize([0, 3], 1, 1, request="round-1")
     assert restarted.state_dict()["participations"] == [2, 1, 1, 1, 0, 0]
     assert restarted.epsilon_spent() >= first.epsilon_after > 0
 

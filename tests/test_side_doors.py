@@ -65,7 +65,7 @@ def client_secrets(fed: Federation, cid: int, theta: dict, scheme: str) -> Secre
         nonprivate_gradient(loss, theta, product, (z[index],)),
         nonprivate_gradient(loss, theta, product, (z,)),
     ]
-    plain = dataclasses.replace(local_plan(cfg, fed.privacy), sigma=None)
+    plain = dataclasses.replace(local_plan(cfg, fed.privacy), mechanism=None)
     nonprivate = Client(cid, fed.dataset.client_data(cid), model, build_scheme(cfg), cfg.optim, plain)
     submission = nonprivate.local_train(theta, 0).submission
     vectors = [*z, *(v for t in (ambient, tangent, clipped) for g in t for v in t[g])]

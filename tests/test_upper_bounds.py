@@ -16,6 +16,7 @@ from rfedray.privacy.accountants import (
     ACCOUNTANTS, UPPER_BOUNDS, CLTAccountant, ExactAccountant, calibrate_sigma,
 )
 from rfedray.privacy.ledger import PrivacyLedger
+from rfedray.privacy.plan import GaussianMechanism
 from rfedray.privacy.checks import PrivacyParameterError
 
 MECHANISM = ["--delta", "1e-5", "--rounds", "50", "--local-steps", "10", "--batch-size", "100",
@@ -39,8 +40,8 @@ def test_a_run_refuses_the_clt_accountant_in_one_line(capsys):
 
 def test_the_ledger_and_the_calibration_refuse_an_approximation():
     with pytest.raises(PrivacyParameterError, match=r"accountant='clt': must be one of exact, prirfed") as err:
-        PrivacyLedger(CLTAccountant(), sigma=0.05, clip=0.3548, batch_size=100, local_steps=10, delta=1e-5,
-                      epsilon_target=1.0, client_sizes=[2000] * 4)
+        PrivacyLedger(CLTAccountant(), GaussianMechanism(sigma=0.05, clip=0.3548, batch_size=100), local_steps=10,
+                      delta=1e-5, epsilon_target=1.0, client_sizes=[2000] * 4)
     assert err.value.name == "accountant"
     with pytest.raises(PrivacyParameterError, match="accountant='clt'"):
         calibrate_sigma(CLTAccountant(), epsilon=1.0, delta=1e-5, rounds=50, local_steps=10, batch_size=100,
@@ -48,7 +49,7 @@ def test_the_ledger_and_the_calibration_refuse_an_approximation():
 
 
 def test_mestimation_refuses_the_clt_accountant():
-    from rfedray.mestimation.engine import LocalEngine, TaskSpec
+    from rfedray.federated.engine import LocalEngine, TaskSpec
     from rfedray.mestimation.strategies import FedSGD
 
     spec = TaskSpec("rfedray.data.sklearn_data", "rfedray.models.logreg",

@@ -20,7 +20,7 @@ import torch
 from rfedray.ddpsa.mechanism import MedianClip, PrivateQuantileClip, StaticClip
 from rfedray.ddpsa.runner import run_ddpsa
 from rfedray.ddpsa.secure_aggregation import LocalAggregators
-from rfedray.mestimation.engine import LocalEngine, TaskSpec
+from rfedray.federated.engine import LocalEngine, TaskSpec
 
 SCALES = {
     "tiny": {"rounds": 150, "epsilon": 5.0, "sweep": [2.0, 8.0], "seeds": [0]},

@@ -16,6 +16,7 @@ Round ``t``:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -23,14 +24,17 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from rfedray.ddpsa.accountant import LaplaceAccountant, ledger_scale
 from rfedray.ddpsa.mechanism import ClipPolicy, ddpsa_step, layers_of
 from rfedray.ddpsa.secure_aggregation import AggregatorGroup, FixedPointCodec, collect_sum, send_update
 from rfedray.federated.client import ClientFailure, round_generator
 from rfedray.federated.server import cohort as draw_cohort
-from rfedray.mestimation.engine import Engine, HostedClient
+from rfedray.federated.engine import Engine, HostedClient
 from rfedray.mestimation.local import ParamLayout, StepPlan
 from rfedray.privacy.statement import statement
+from rfedray.privacy import checks
+from rfedray.privacy.accountants import LaplaceAccountant, LaplaceStep, calibrate_noise
+from rfedray.privacy.gdp import gdp_mu
+from rfedray.privacy.plan import LaplaceMechanism, PrivacyPlan
 from rfedray.task import FederatedDataset, FederatedModel, Params
 
 log = logging.getLogger(__name__)
@@ -65,12 +69,21 @@ def step_ratio(policy: ClipPolicy, num_layers: int, noise_multiplier: float) -> 
 
 def calibrate_ddpsa(policy: ClipPolicy, num_layers: int, epsilon: float, delta: float, steps: int,
                     batch_size: int, records: int) -> float:
-    """The noise multiplier ``z`` meeting ``(epsilon, delta)`` after ``steps`` steps (Laplace accountant)."""
-    from rfedray.privacy.accountants import calibrate_sigma
+    """The noise multiplier ``z`` meeting ``(epsilon, delta)`` after ``steps`` steps (Laplace accountant).
 
-    sigma = calibrate_sigma(LaplaceAccountant(), epsilon=epsilon, delta=delta, rounds=steps, local_steps=1,
-                            batch_size=batch_size, records=records, clip=1.0)
-    total = 2.0 / (batch_size * sigma)
+    The search is on ``b``, the Laplace scale of a mean of ``B`` records clipped to L1 norm 1 (ratio
+    ``2 / (B b)``, start ``2 sqrt(steps) / (m mu)`` as for the Gaussian); the step's ratio is then
+    ``L / (z (1 - phi))`` (:func:`step_ratio`).
+    """
+    epsilon = checks.positive("epsilon", epsilon)
+    delta = checks.open_unit("delta", delta)
+    batch_size, records = checks.batch_within(batch_size, records)
+    scale = calibrate_noise(
+        LaplaceAccountant(), lambda b: LaplaceStep(2.0 / (batch_size * b), batch_size / records),
+        epsilon=epsilon, delta=delta, rounds=steps, local_steps=1,
+        start=2.0 * math.sqrt(steps) / (records * gdp_mu(epsilon, delta)),
+    )
+    total = 2.0 / (batch_size * scale)
     return num_layers / ((1.0 - policy.budget_share) * total)
 
 
@@ -126,18 +139,15 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
     theta = model.init_params(torch.Generator().manual_seed(seed * 7919 + 17))
     layout = ParamLayout.of(theta)
     num_layers = len(layers_of(theta))
-    z, ledger = noise_multiplier, None
     private = epsilon is not None or noise_multiplier is not None
+    mechanism = None
     if private:
-        if z is None:
-            z = calibrate_ddpsa(policy, num_layers, epsilon, delta, rounds, batch_size, min(sizes))
-        policy = policy.bind(z)
-        from rfedray.privacy.ledger import PrivacyLedger
-
-        ledger = PrivacyLedger(LaplaceAccountant(), sigma=ledger_scale(step_ratio(policy, num_layers, z), batch_size),
-                               clip=1.0, batch_size=batch_size, local_steps=1, delta=delta, epsilon_target=epsilon,
-                               client_sizes=sizes)
-    task = DDPSATask(StepPlan(batch_size, 1.0, z, noise_seed), policy, codec, aggregators)
+        if noise_multiplier is None:
+            noise_multiplier = calibrate_ddpsa(policy, num_layers, epsilon, delta, rounds, batch_size, min(sizes))
+        policy = policy.bind(noise_multiplier)
+        mechanism = LaplaceMechanism(step_ratio(policy, num_layers, noise_multiplier), batch_size)
+    ledger = PrivacyPlan(mechanism, "laplace", delta, epsilon, local_steps=1, noise_seed=noise_seed).ledger(sizes)
+    task = DDPSATask(StepPlan(batch_size, 1.0, noise_multiplier, noise_seed), policy, codec, aggregators)
     eval_data = dataset.eval_data()
     history: list[dict] = []
     best, since_best, halted, halt_reason, stopped_early = float("inf"), 0, False, "", False
@@ -145,11 +155,10 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
     for t in range(rounds):
         round_start = time.perf_counter()
         chosen = draw_cohort(seed, t, n, clients_per_round)
-        if ledger is not None:
-            auth = ledger.authorize(chosen)
-            if not auth.granted:
-                halted, halt_reason = True, auth.reason
-                break
+        auth = ledger.authorize(chosen)
+        if not auth.granted:
+            halted, halt_reason = True, auth.reason
+            break
         receipts = engine.run(chosen, task, theta, t)
         secure = collect_sum(aggregators, codec, t, min_clients)
         if secure.total is not None:
@@ -160,7 +169,7 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
         record = {
             "round": t, "covered": policy.covered, "participants": len(secure.participants), "dropped": len(secure.dropped),
             "failed": len(chosen) - len(answered), "aggregated": secure.total is not None,
-            "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
+            "epsilon_spent": auth.epsilon_after,
             "round_seconds": time.perf_counter() - round_start,
             "mean_clip": _mean_over(answered, "clips"), "mean_noise_scale": _mean_over(answered, "noise_scales"),
             **metrics,
@@ -184,8 +193,8 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
                      "NOT covered: clip thresholds are unprivatised medians of the records; epsilon is nominal",
         "rounds_completed": len(history), "rounds_planned": rounds, "stopped_early": stopped_early,
         "halted": halted, "halt_reason": halt_reason,
-        "noise_multiplier": z, "epsilon_target": epsilon, "delta": delta if private else None,
-        "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None, "accountant": "laplace" if private else None,
+        "noise_multiplier": noise_multiplier, "epsilon_target": epsilon, "delta": delta if private else None,
+        "epsilon_spent": ledger.epsilon_spent(), "accountant": "laplace" if private else None,
         "not_for_production": private and noise_seed is not None,
         **(statement() if private else {}),
         "wall_seconds": wall, "seconds_per_round": wall / max(len(history), 1),

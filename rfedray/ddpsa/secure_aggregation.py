@@ -260,51 +260,6 @@ class LocalAggregators:
             a.discard(round_index)
 
 
-class RayAggregators:
-    """S aggregator actors (the Ray engine); the handle is picklable, so client actors send directly.
-
-    Parameters
-    ----------
-    num_aggregators : int
-    min_clients : int
-    """
-
-    def __init__(self, num_aggregators: int, min_clients: int = 2):
-        import ray
-
-        if num_aggregators < 2:
-            raise ValueError(f"num_aggregators={num_aggregators}: must be >= 2")
-        remote_cls = ray.remote(num_cpus=0)(ShareAggregator)
-        self.num_aggregators = num_aggregators
-        self.actors = [remote_cls.remote(j, min_clients) for j in range(num_aggregators)]
-
-    def send(self, index, round_index, client_id, share):
-        import ray
-
-        ray.get(self.actors[index].receive.remote(round_index, client_id, share))
-
-    def received(self, round_index):
-        import ray
-
-        return ray.get([a.received.remote(round_index) for a in self.actors])
-
-    def partial_sums(self, round_index, client_ids):
-        import ray
-
-        return ray.get([a.partial_sum.remote(round_index, list(client_ids)) for a in self.actors])
-
-    def discard(self, round_index):
-        import ray
-
-        ray.get([a.discard.remote(round_index) for a in self.actors])
-
-    def close(self) -> None:
-        import ray
-
-        for a in self.actors:
-            ray.kill(a)
-
-
 def send_update(group: AggregatorGroup, codec: FixedPointCodec, round_index: int, client_id: int,
                 update: np.ndarray, rng: Optional[np.random.Generator] = None) -> None:
     """Client side: encode the (already privatised) update, split it, send share j to aggregator j."""

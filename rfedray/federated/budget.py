@@ -1,11 +1,12 @@
 """The run's privacy ledger on disk: written before every release, and never allowed to go back.
 
-Two files hold it, both written before the cohort trains (write-ahead):
+Two files hold it, both written before the cohort trains (write-ahead), by one writer, the run's
+:class:`~rfedray.federated.resume.WriteAheadLedger`:
 
 * ``budget.json``: the whole ledger (every client's participations) and its sequence number
   ``charges``, the number of cohorts charged so far, which only grows (a resumed run that redoes
   rounds charges them again);
-* ``ledger.jsonl``: one line per charge (``charge``, ``round``, ``cohort``, ``epsilon_after``),
+* ``ledger.jsonl``: one line per charge (``charge``, ``round``, ``cohort``, ``count``, ``epsilon_after``),
   appended and fsynced, each line carrying the SHA-256 of the line before it (a hash chain).
 
 The sequence number is mirrored where a run leaves other traces: the checkpoint holds the ledger it
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from rfedray.errors import RfedrayError
 from rfedray.federated.rundir import RunDirectory
@@ -56,6 +57,7 @@ class BudgetFiles:
 
     def __init__(self, run_dir: RunDirectory, fingerprint: dict):
         self.run_dir, self.fingerprint = run_dir, fingerprint
+        self._head: Optional[str] = None  # the digest of the charge log's last line, once known
 
     log = LOG_NAME
 
@@ -65,24 +67,47 @@ class BudgetFiles:
         """A new run's files: the empty ledger and a charge log that starts with the run's identity."""
         rd = self.run_dir
         rd.write_json("budget.json", {"fingerprint": self.fingerprint, "ledger": ledger_state, "round": None, "head": ""})
-        header = {"charge": 0, "run_id": rd.run_id, "fingerprint": self.fingerprint, "prev": ""}
-        rd.write_bytes(self.log, (json.dumps(header, sort_keys=True) + "\n").encode())
+        header = (json.dumps({"charge": 0, "run_id": rd.run_id, "fingerprint": self.fingerprint, "prev": ""},
+                             sort_keys=True) + "\n").encode()
+        rd.write_bytes(self.log, header)
+        self._head = _digest(header)
 
-    def commit(self, ledger_state: dict, round_index: Optional[int], cohort: Sequence[int], epsilon_after: float,
-               extra: Optional[dict] = None) -> None:
+    def commit(self, ledger_state: dict, round_index: Optional[int], cohort: Sequence[int], count: int,
+               epsilon_after: float, extra: Optional[dict] = None) -> None:
         """Persist a charge before its cohort trains: ``budget.json`` first, then the charge log's line.
 
-        A crash between the two leaves the log one line behind ``budget.json``;
-        :meth:`trusted` appends that line again from ``budget.json``'s ``last``.
+        A crash between the two leaves the log one line behind ``budget.json``; the next commit
+        (after a resume, or a restart of the accountant actor) appends that line first, from
+        ``budget.json``'s ``last``.
+
+        Parameters
+        ----------
+        ledger_state : dict
+            The ledger's state after the charge (its ``charges`` is this charge's number).
+        round_index : int or None
+        cohort : sequence of int
+        count : int
+            Participations charged to each client of ``cohort``.
+        epsilon_after : float
+        extra : dict, optional
+            More keys for ``budget.json`` (the accountant actor's last request).
+
+        Raises
+        ------
+        RunDirectoryWriteError
         """
         rd = self.run_dir
-        head = self._last_line_digest()
+        if self._head is None:
+            self.complete_log()
+            self._head = self._last_line_digest()
         entry = {"charge": ledger_state["charges"], "round": round_index, "cohort": [int(c) for c in cohort],
-                 "epsilon_after": epsilon_after, "prev": head}
+                 "count": int(count), "epsilon_after": epsilon_after, "prev": self._head}
         line = (json.dumps(entry, sort_keys=True) + "\n").encode()
+        self._head = None  # unknown until the line is in the log
         rd.write_json("budget.json", {"fingerprint": self.fingerprint, "ledger": ledger_state, "round": round_index,
-                                  "head": _digest(line), "last": entry, **(extra or {})})
+                                      "head": _digest(line), "last": entry, **(extra or {})})
         rd.append_line(self.log, line)
+        self._head = _digest(line)
 
     def _last_line_digest(self) -> str:
         lines = self._log_lines()
@@ -102,6 +127,30 @@ class BudgetFiles:
             "released, so rfedray will not continue it"
         )
 
+    def current(self) -> Optional[dict]:
+        """``budget.json`` when it was written for this accounting set-up (None when absent or not).
+
+        What a writer starting up loads (the accountant actor after a restart); a resume checks it
+        first with :meth:`trusted`.
+
+        Raises
+        ------
+        RfedrayError
+            When it is there but not a file or unreadable: a writer must never start from an empty
+            ledger over a spent budget.
+        """
+        rd = self.run_dir
+        if not rd.exists("budget.json"):
+            return None
+        if not rd.is_file("budget.json"):
+            raise self._refuse("budget.json is not a file (it must be the ledger of the budget this run has spent)")
+        try:
+            saved = json.loads(rd.read_bytes("budget.json"))
+        except (OSError, ValueError) as exc:
+            raise self._refuse(f"budget.json is unreadable ({type(exc).__name__}; it is the ledger of the budget spent)") from None
+        fits = isinstance(saved, dict) and saved.get("fingerprint") == self.fingerprint and isinstance(saved.get("ledger"), dict)
+        return saved if fits else None
+
     def saved(self) -> dict:
         """``budget.json`` as written for this accounting set-up.
 
@@ -113,13 +162,8 @@ class BudgetFiles:
         rd = self.run_dir
         if not rd.exists("budget.json"):
             raise self._refuse("budget.json is missing (it is the ledger of the budget this run has spent)")
-        if not rd.is_file("budget.json"):
-            raise self._refuse("budget.json is not a file (it must be the ledger of the budget this run has spent)")
-        try:
-            saved = json.loads(rd.read_bytes("budget.json"))
-        except (OSError, ValueError) as exc:
-            raise self._refuse(f"budget.json is unreadable ({type(exc).__name__}; it is the ledger of the budget spent)") from None
-        if not isinstance(saved, dict) or saved.get("fingerprint") != self.fingerprint or not isinstance(saved.get("ledger"), dict):
+        saved = self.current()
+        if saved is None:
             raise RfedrayError(
                 f"--resume {rd.path}: budget.json was not written for this run's accounting set-up (its fingerprint "
                 "differs from the checkpoint's); resume with the configuration the run was started with (its config.yaml)"
@@ -195,39 +239,7 @@ class BudgetFiles:
 
     def complete_log(self) -> None:
         """Append the line of ``budget.json``'s last charge when a crash kept it from the charge log."""
-        saved = self.saved()
-        line = self._missing_line(saved)
+        saved = self.current()
+        line = None if saved is None else self._missing_line(saved)
         if line is not None and self._chain() and self._chain()[-1]["charge"] == saved["ledger"].get("charges", 0) - 1:
             self.run_dir.append_line(self.log, line)
-
-
-class JournaledLedger:
-    """A :class:`~rfedray.privacy.ledger.PrivacyLedger` that persists every charge before answering.
-
-    What the federation loop holds on the local engine (the Ray engine's accountant actor does
-    the same on its side).
-
-    Parameters
-    ----------
-    ledger : PrivacyLedger
-    files : BudgetFiles
-    """
-
-    def __init__(self, ledger, files: BudgetFiles):
-        self.ledger, self.files = ledger, files
-
-    def authorize(self, cohort: Sequence[int], round_index: Optional[int] = None):
-        """Charge ``cohort`` (see :meth:`PrivacyLedger.authorize`) and persist it before returning."""
-        auth = self.ledger.authorize(cohort)
-        if auth.granted:
-            self.files.commit(self.ledger.state_dict(), round_index, cohort, auth.epsilon_after)
-        return auth
-
-    def epsilon_spent(self) -> float:
-        return self.ledger.epsilon_spent()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.ledger.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.ledger.load_state_dict(state)

@@ -11,13 +11,27 @@ comes from a ChaCha20 keystream keyed by 256 bits of the operating system's entr
 (:mod:`rfedray.privacy.randomness`), unless the run fixes ``privacy.noise_seed`` for reproducible
 experiments; then the key is derived from ``(noise_seed, client_id, round)`` only, so any process
 hosting the client reproduces it.
+
+One kernel trains: :func:`train_together` runs the tau steps of K clients that share the model, the
+plan and the structure of their optimiser states at once (the gradient over a leading client
+dimension of the parameters, minibatches and noise: broadcasting through the model's closed-form
+per-record gradients where it has them, else ``torch.func.vmap`` over clients; the optimisers step
+the stacked parameters and states, since manifold operations broadcast over leading dimensions and
+the learning rate is the same for every client of the round). :meth:`Client.local_train` is its
+one-client case. The randomness is each client's own: every client draws its minibatch indices and
+its noise from its own generator (:func:`round_generator`) in the same order whatever the other
+clients of the call, and every kernel computes each client's slice as it would for that client
+alone, so a client's results do not depend on which clients share its call and an engine hosting
+any part of a cohort computes the same bits. Each client's records stay its own: only the drawn
+minibatches are stacked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Hashable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -31,6 +45,7 @@ from rfedray.privacy.mechanism import (
     noise_generator, nonprivate_gradient, private_gradient_with_noise, rule_gradient, sample_batch, standard_noise,
 )
 from rfedray.privacy.randomness import SecureGenerator
+from rfedray.privacy.plan import GaussianMechanism
 from rfedray.task import ClientData, FederatedModel, Params
 
 
@@ -44,10 +59,9 @@ class LocalPlan:
         tau and B.
     total_rounds : int
         T, for learning-rate schedules (the step index is ``round * tau + j``).
-    clip : float
-        C.
-    sigma : float or None
-        Absolute noise standard deviation; ``None`` for the non-private baseline.
+    mechanism : GaussianMechanism or None
+        The private step's clip C and noise sigma (the run's privacy plan's); ``None`` for the
+        non-private baseline.
     noise_seed : int or None
         ``None``: OS entropy. An integer makes the run reproducible and not for production.
     """
@@ -55,13 +69,17 @@ class LocalPlan:
     local_steps: int
     batch_size: int
     total_rounds: int
-    clip: float
-    sigma: Optional[float]
+    mechanism: Optional[GaussianMechanism]
     noise_seed: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.mechanism is not None and self.mechanism.batch_size != self.batch_size:
+            raise ValueError(f"batch_size={self.batch_size}: the mechanism is accounted with "
+                             f"batch_size={self.mechanism.batch_size}")
 
     @property
     def private(self) -> bool:
-        return self.sigma is not None
+        return self.mechanism is not None
 
 
 @dataclass
@@ -89,10 +107,10 @@ def round_generator(noise_seed: Optional[int], client_id: int, round_index: int,
 class Client:
     """One client: its records and how it trains (implements the client side of Algorithm 1).
 
-    The only public way to train is :meth:`local_train`, which releases privatised values only. A
-    step's pieces (:meth:`_draw_step`, :meth:`_minibatch`, :meth:`_gradient`, :meth:`_result`)
-    return records, batch indices and noise: they are private to this module and to
-    :mod:`rfedray.federated.batched`, which trains several clients at once with them.
+    The only public ways to train are :meth:`local_train` and :func:`train_together` (several
+    clients at once), which release privatised values only. A step's pieces (:meth:`_draw_step`,
+    :meth:`_minibatch`, :meth:`_gradient`, :meth:`_result`) return records, batch indices and noise:
+    they are private to this module.
 
     Parameters
     ----------
@@ -129,6 +147,22 @@ class Client:
     @property
     def num_records(self) -> int:
         return self._data.num_records
+
+    def local_train(self, theta: Params, round_index: int, optimizer_state: Optional[dict] = None) -> LocalResult:
+        """Run tau local steps from ``theta`` and return the scheme's submission: :func:`train_together`
+        of this client alone, its gradient computed on its own (no ``vmap``, so that a model with an
+        operation that has no batching rule trains too).
+
+        Parameters
+        ----------
+        theta : dict of Tensor
+            The broadcast model theta_t (not modified).
+        round_index : int
+            t, used for the learning-rate schedule and the seeded generator.
+        optimizer_state : dict or None
+            The state this client's optimisers ended the previous participation with.
+        """
+        return train_together([self], theta, round_index, [optimizer_state], vectorised=False)[0]
 
     def _load_optimizer_state(self, optimizer_state: Optional[dict]) -> None:
         """Restore the optimisers' state from a previous participation (``None``: fresh state)."""
@@ -168,9 +202,10 @@ class Client:
         clients.
         """
         if self.plan.private:
+            mechanism = self.plan.mechanism
             return private_gradient_with_noise(
                 self.model.per_sample_loss, params, self.product, batch,
-                clip=self.plan.clip, sigma=self.plan.sigma, noise=noise, rule=self.model.gradient_rule,
+                clip=mechanism.clip, sigma=mechanism.sigma, noise=noise, rule=self.model.gradient_rule,
             )
         return nonprivate_gradient(self.model.per_sample_loss, params, self.product, batch)
 
@@ -180,33 +215,10 @@ class Client:
         the operations broadcast over it (:func:`rule_gradient`); otherwise ``vmap`` over clients."""
         rule = self.model.gradient_rule
         if self.plan.private and rule is not None:
-            return rule_gradient(rule, params, self.product, batch, clip=self.plan.clip, sigma=self.plan.sigma,
+            mechanism = self.plan.mechanism
+            return rule_gradient(rule, params, self.product, batch, clip=mechanism.clip, sigma=mechanism.sigma,
                                  noise=noise, batch_size=self.plan.batch_size)
         return vmap(self._gradient, in_dims=(0, 0, 0 if self.plan.private else None))(params, batch, noise)
-
-    def local_train(self, theta: Params, round_index: int, optimizer_state: Optional[dict] = None) -> LocalResult:
-        """Run tau local steps from ``theta`` and return the scheme's submission.
-
-        Parameters
-        ----------
-        theta : dict of Tensor
-            The broadcast model theta_t (not modified).
-        round_index : int
-            t, used for the learning-rate schedule and the seeded generator.
-        optimizer_state : dict or None
-            The state this client's optimisers ended the previous participation with.
-        """
-        start = time.perf_counter()
-        self._load_optimizer_state(optimizer_state)
-        device = next(iter(theta.values())).device
-        generator = round_generator(self.plan.noise_seed, self.client_id, round_index, device)
-        params = {name: value.clone() for name, value in theta.items()}
-        for j in range(self.plan.local_steps):
-            index, noise = self._draw_step(params, generator)
-            grad = self._gradient(params, self._minibatch(index), noise)
-            step = round_index * self.plan.local_steps + j
-            params = {name: self._optimizers[name].step(params[name], grad[name], step) for name in params}
-        return self._result(theta, params, start)
 
     def _result(self, theta: Params, params: Params, start: float) -> LocalResult:
         """The submission for the local iterate ``params`` and the optimisers' current state.
@@ -223,3 +235,115 @@ class Client:
         submission = aggregation.submit(self.scheme, self.product, theta, params)
         state = {name: opt.state_dict() for name, opt in self._optimizers.items()}
         return LocalResult(submission, state, time.perf_counter() - start)
+
+
+def state_signature(client: Client, optimizer_state: Optional[Mapping[str, Any]]) -> tuple:
+    """What must agree between clients whose optimiser states are stacked.
+
+    Parameters
+    ----------
+    client : Client
+    optimizer_state : dict or None
+        ``{group: {"optimizer": name, "state": {key: Tensor}}}`` from the client's previous
+        participation (:meth:`~rfedray.optim.LocalOptimizer.state_dict` per group), or ``None``.
+
+    Returns
+    -------
+    tuple
+        Per group: the optimiser's name, then per state entry its key, shape and dtype, and its
+        value when it is 0-dimensional (step counters, which optimisers read as Python numbers).
+    """
+    signature = []
+    for name in client._optimizers:
+        saved = (optimizer_state or {}).get(name) or {}
+        entries = []
+        for key, value in sorted(saved.get("state", {}).items()):
+            t = torch.as_tensor(value)
+            entries.append((key, tuple(t.shape), t.dtype, t.item() if t.dim() == 0 else None))
+        signature.append((name, saved.get("optimizer"), tuple(entries)))
+    return tuple(signature)
+
+
+def batch_key(client: Client, optimizer_state: Optional[Mapping[str, Any]]) -> Hashable:
+    """Clients with equal keys can be trained together by :func:`train_together`: one model object,
+    one plan, and optimiser states of one structure (:func:`state_signature`)."""
+    return id(client.model), client.plan, state_signature(client, optimizer_state)
+
+
+def _stack_state(states: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """One optimiser state for K clients: 0-dimensional entries, equal across the clients
+    (:func:`batch_key`), stay one shared tensor; the others are stacked along a new leading dimension."""
+    return {
+        key: first if first.dim() == 0 else torch.stack([s[key] for s in states]) for key, first in states[0].items()
+    }
+
+
+def train_together(
+    clients: Sequence[Client], theta: Params, round_index: int, states: Sequence[Optional[dict]],
+    vectorised: bool = True,
+) -> list[LocalResult]:
+    """The tau local steps of K clients at once (K = 1: :meth:`Client.local_train`).
+
+    Parameters
+    ----------
+    clients : sequence of Client
+        K >= 1 clients sharing one model object and one plan, with equal :func:`batch_key`.
+    theta : dict of Tensor
+        theta_t, ``{g: (*shape_g)}`` (not modified).
+    round_index : int
+        t.
+    states : sequence of dict or None
+        Each client's optimiser state from its previous participation.
+    vectorised : bool
+        The K clients' gradients in one call (:meth:`Client._gradients_of_clients`); False computes
+        each client's on its own slice, without ``vmap``.
+
+    Returns
+    -------
+    list of LocalResult
+        In the order of ``clients``; each ``train_seconds`` is the call's time divided by K.
+
+    Raises
+    ------
+    ValueError
+        If the clients do not share the model and plan, or their optimiser states cannot be stacked.
+    """
+    start = time.perf_counter()
+    lead = clients[0]
+    keys = {batch_key(c, s) for c, s in zip(clients, states)}
+    if len(keys) != 1:
+        raise ValueError(f"clients {[c.client_id for c in clients]}: only clients with one model, plan and "
+                         "optimiser-state structure can be trained together")
+    plan, k = lead.plan, len(clients)
+    device = next(iter(theta.values())).device
+    generators = [round_generator(plan.noise_seed, c.client_id, round_index, device) for c in clients]
+    for c, s in zip(clients, states):
+        c._load_optimizer_state(s)
+    state = {name: _stack_state([c._optimizers[name].state for c in clients]) for name in lead._optimizers}
+    params = {g: torch.stack([value] * k) for g, value in theta.items()}
+    try:
+        for j in range(plan.local_steps):
+            draws = [c._draw_step(theta, gen) for c, gen in zip(clients, generators)]
+            minibatches = [c._minibatch(index) for c, (index, _) in zip(clients, draws)]
+            batch = tuple(torch.stack(parts) for parts in zip(*minibatches))
+            noise = {g: torch.stack([n[g] for _, n in draws]) for g in theta} if plan.private else None
+            if vectorised:
+                grad = lead._gradients_of_clients(params, batch, noise)
+            else:
+                parts = [c._gradient({g: v[i] for g, v in params.items()}, minibatches[i], draws[i][1])
+                         for i, c in enumerate(clients)]
+                grad = {g: torch.stack([p[g] for p in parts]) for g in theta}
+            for name, opt in lead._optimizers.items():
+                opt.state = state[name]
+                params[name] = opt.step(params[name], grad[name], round_index * plan.local_steps + j)
+                state[name] = opt.state
+    finally:
+        for opt in lead._optimizers.values():
+            opt.state = {}
+    results = []
+    for i, c in enumerate(clients):
+        for name, opt in c._optimizers.items():
+            opt.state = {key: value if value.dim() == 0 else value[i] for key, value in state[name].items()}
+        results.append(c._result(theta, {g: value[i] for g, value in params.items()}, start))
+    seconds = (time.perf_counter() - start) / k
+    return [dataclasses.replace(r, train_seconds=seconds) for r in results]

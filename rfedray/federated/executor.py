@@ -2,7 +2,7 @@
 
 The loop (:mod:`rfedray.federated.loop`) only calls :meth:`Executor.train`. The local executor
 runs the clients in this process, several at once where their optimiser states allow it
-(:mod:`rfedray.federated.batched`); the Ray executor (``actors``) sends the same calls to client
+(:func:`~rfedray.federated.client.train_together`); the Ray executor (``actors``) sends the same calls to client
 actors, each of which runs a local executor over its own clients. Both return, per client, a
 :class:`LocalResult` or a :class:`ClientFailure`.
 """
@@ -13,8 +13,7 @@ import logging
 from typing import Mapping, Optional, Protocol, Sequence
 
 from rfedray.config import Config
-from rfedray.federated.batched import batch_key, train_together
-from rfedray.federated.client import Client, ClientFailure, LocalPlan, LocalResult
+from rfedray.federated.client import Client, ClientFailure, LocalPlan, LocalResult, batch_key, train_together
 from rfedray.federated.setup import build_client
 from rfedray.task import FederatedDataset, FederatedModel, Params
 
@@ -37,8 +36,8 @@ class LocalExecutor:
     """Every client in this process; a client's data is loaded the first time it is selected.
 
     The clients of a cohort are grouped by the structure of their optimiser states
-    (:func:`~rfedray.federated.batched.batch_key`) and each group is trained together by
-    :func:`~rfedray.federated.batched.train_together`, a lone client as a group of one: its
+    (:func:`~rfedray.federated.client.batch_key`) and each group is trained together by
+    :func:`~rfedray.federated.client.train_together`, a lone client as a group of one: its
     results do not depend on which other clients share the call, so the local engine and client
     actors hosting any part of a cohort compute the same bits. A group whose batched training
     raises is trained one by one with :meth:`Client.local_train` (a client that fails then is a
@@ -51,8 +50,8 @@ class LocalExecutor:
     model : FederatedModel
     plan : LocalPlan
     vectorise : bool
-        Train through :func:`~rfedray.federated.batched.train_together` (default); ``False`` runs
-        :meth:`Client.local_train` client after client (the reference loop).
+        Train through :func:`~rfedray.federated.client.train_together` (default); ``False`` runs
+        :meth:`Client.local_train` client after client (the kernel's one-client case, without ``vmap``).
     """
 
     def __init__(self, cfg: Config, dataset: FederatedDataset, model: FederatedModel, plan: LocalPlan,

@@ -22,17 +22,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
 from rfedray.config import Config, to_yaml
-from rfedray.federated.budget import BudgetFiles, JournaledLedger
 from rfedray.federated.client import LocalResult
 from rfedray.federated.executor import Executor
-from rfedray.federated.resume import Checkpoints, RunState, accounting_fingerprint
+from rfedray.federated.resume import Checkpoints, RunState, WriteAheadLedger, accounting_fingerprint
 from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.server import Server, cohort
 from rfedray.federated.setup import (
-    GivenTask, PrivacyPlan, build_dataset, build_model, build_scheme, check_client_sizes, initial_params,
-    local_plan, resolve_privacy,
+    GivenTask, build_dataset, build_model, build_scheme, check_client_sizes, initial_params, local_plan,
+    resolve_privacy,
 )
 from rfedray.geometry import ProductManifold
+from rfedray.privacy.plan import PrivacyPlan
 from rfedray.privacy.statement import statement
 from rfedray.task import FederatedDataset, FederatedModel, Params
 
@@ -61,7 +61,7 @@ class Federation:
     sizes: list[int]
     privacy: PrivacyPlan
     observers: list[RoundObserver] = field(default_factory=list)
-    ledger_factory: Optional[Callable[[], Any]] = None  # the ledger run() charges; default make_ledger (Ray: the accountant actor)
+    ledger_factory: Optional[Callable[[], Any]] = None  # the ledger run() charges; default write_ahead_ledger (Ray: the accountant actor)
     given: Optional[GivenTask] = None  # model or dataset objects of the user's (the Ray engine sends them to its actors)
 
     @classmethod
@@ -81,22 +81,13 @@ class Federation:
         return ProductManifold(self.model.groups)
 
     def make_ledger(self):
-        from rfedray.privacy.accountants import ACCOUNTANTS
-        from rfedray.privacy.ledger import PrivacyLedger
+        """A fresh ledger of the run (a NullLedger when it is not private)."""
+        return self.privacy.ledger(self.sizes)
 
-        if not self.privacy.enabled:
-            return None
-        fed = self.cfg.federation
-        return PrivacyLedger(
-            ACCOUNTANTS[self.privacy.accountant](), sigma=self.privacy.sigma, clip=self.privacy.clip,
-            batch_size=fed.batch_size, local_steps=fed.local_steps, delta=self.privacy.delta,
-            epsilon_target=self.privacy.epsilon_target, client_sizes=self.sizes,
-        )
-
-    def _journaled_ledger(self, fingerprint: dict):
-        """The ledger the local engine charges: every charge persisted before it returns."""
-        ledger = self.make_ledger()
-        return None if ledger is None else JournaledLedger(ledger, BudgetFiles(self.run_dir, fingerprint))
+    def write_ahead_ledger(self) -> WriteAheadLedger:
+        """The ledger the loop charges on the local engine: it writes ``budget.json`` and the charge
+        log before each round trains."""
+        return WriteAheadLedger(self.make_ledger(), self.checkpoints().fingerprint, self.run_dir)
 
     def local_executor(self) -> Executor:
         from rfedray.federated.executor import LocalExecutor
@@ -111,15 +102,14 @@ class Federation:
         """Run (or resume) the rounds; return the summary that is also written to ``summary.json``."""
         cfg, rd = self.cfg, self.run_dir
         checkpoints = self.checkpoints()
-        ledger = self.ledger_factory() if self.ledger_factory is not None else self._journaled_ledger(checkpoints.fingerprint)
+        ledger = self.ledger_factory() if self.ledger_factory is not None else self.write_ahead_ledger()
         server = self._server()
         seeded = cfg.privacy.noise_seed is not None
-        if seeded and self.privacy.enabled:
+        if seeded and self.privacy.private:
             log.warning("privacy.noise_seed is set: reproducible noise, NOT FOR PRODUCTION")
         # Load every piece of data before the run directory is touched: a bad input fails here.
         eval_data = self.dataset.eval_data()
         state = self._start_state(checkpoints, ledger, resume)
-        charges = ledger.state_dict()["charges"] if ledger is not None else None
         theta: Params = state.theta
         start_round: int = state.round
         opt_states: dict[int, dict] = state.optimizer_states
@@ -131,12 +121,10 @@ class Federation:
         for t in range(start_round, cfg.run.rounds):
             round_start = time.perf_counter()
             chosen = cohort(cfg.run.seed, t, cfg.federation.n_clients, cfg.federation.clients_per_round)
-            if ledger is not None:
-                auth = ledger.authorize(chosen, t)  # persisted (write-ahead) before it returns
-                if not auth.granted:
-                    halted, halt_reason = True, auth.reason
-                    break
-                charges += 1
+            auth = ledger.authorize(chosen, 1, t)  # persisted (write-ahead) before it returns
+            if not auth.granted:
+                halted, halt_reason = True, auth.reason
+                break
             results = executor.train(chosen, theta, t, opt_states)
             answered = {cid: r for cid, r in results.items() if isinstance(r, LocalResult)}
             failures = [cid for cid in chosen if not isinstance(results.get(cid), LocalResult)]
@@ -159,8 +147,8 @@ class Federation:
                 "answered": len(answered) - len(rejected_ids & set(answered)),
                 "failed": len(failures),
                 "rejected": len(rejected),
-                "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
-                "ledger_charges": charges,
+                "epsilon_spent": auth.epsilon_after,
+                "ledger_charges": auth.state["charges"] if auth.state is not None else None,
                 "round_seconds": time.perf_counter() - round_start,
                 "aggregation_seconds": agg_seconds,
                 "local_train_seconds": sorted(r.train_seconds for r in answered.values()),  # no client order
@@ -171,23 +159,24 @@ class Federation:
             for obs in self.observers:
                 obs.on_round(exported)
             if (t + 1) % cfg.run.checkpoint_every == 0 or t + 1 == cfg.run.rounds or rd.out_of_space():
-                checkpoints.save(RunState(theta, t + 1, opt_states, counters, last_metrics), ledger)
+                checkpoints.save(RunState(theta, t + 1, opt_states, counters, last_metrics), auth.state)
         else:
             t = cfg.run.rounds
         rounds_completed = t
+        private = self.privacy.private
         summary = {
             "run_id": rd.run_id,
             "engine": cfg.run.engine,
             "rounds_completed": rounds_completed,
             "rounds_planned": cfg.run.rounds,
-            "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
-            "epsilon_target": cfg.privacy.epsilon if self.privacy.enabled else None,
-            "delta": self.privacy.delta if self.privacy.enabled else None,
+            "epsilon_spent": ledger.epsilon_spent(),
+            "epsilon_target": cfg.privacy.epsilon if private else None,
+            "delta": self.privacy.delta if private else None,
             "sigma": self.privacy.sigma,
-            "clip": self.privacy.clip if self.privacy.enabled else None,
-            "accountant": self.privacy.accountant if self.privacy.enabled else None,
-            "private": self.privacy.enabled,
-            **(statement() if self.privacy.enabled else {}),
+            "clip": cfg.privacy.clip if private else None,
+            "accountant": self.privacy.accountant if private else None,
+            "private": private,
+            **(statement() if private else {}),
             "not_for_production": seeded,
             "halted": halted,
             "halt_reason": halt_reason,
@@ -221,7 +210,11 @@ class Federation:
         # run.rounds) keeps the mechanism the ledger was charged for.
         resolved = replace(self.cfg, privacy=replace(self.cfg.privacy, sigma=self.privacy.sigma))
         self.run_dir.write_bytes("config.yaml", to_yaml(resolved).encode())
-        return checkpoints.start(RunState(initial_params(self.cfg, self.model)), ledger)
+        # The empty ledger's files and the checkpoint of round 0, before anything is charged: a run
+        # stopped at any point, even in its first round, can be resumed.
+        state = RunState(initial_params(self.cfg, self.model))
+        checkpoints.save(state, ledger.start())
+        return state
 
 
 def without_oracle_metrics(record: dict) -> dict:

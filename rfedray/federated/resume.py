@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -31,6 +31,8 @@ from rfedray.config import Config, ConfigError
 from rfedray.errors import RfedrayError
 from rfedray.federated.budget import BudgetFiles
 from rfedray.federated.rundir import RunDirectory, RunDirectoryWriteError
+from rfedray.privacy.ledger import Authorization
+from rfedray.privacy.plan import PrivacyPlan
 from rfedray.task import Params
 
 RESERVE_FACTOR = 3
@@ -42,19 +44,21 @@ FINGERPRINT_NOTES = {"data.client_sizes": "the clients' record counts differ"}
 """How a changed accounting setting is described when its value is not readable (a hash)."""
 
 
-def accounting_fingerprint(cfg: Config, privacy: Any, sizes: list[int]) -> dict:
+def accounting_fingerprint(cfg: Config, privacy: PrivacyPlan, sizes: list[int]) -> dict:
     """Everything the ledger's numbers depend on; a resume must not change any of it.
 
     Parameters
     ----------
     cfg : Config
-    privacy : rfedray.federated.setup.PrivacyPlan
-        Its :meth:`fingerprint` (whether private, sigma, clip, delta, accountant).
+    privacy : PrivacyPlan
+        The run's resolved plan (its sigma, calibrated when the configuration left it null).
     sizes : list of int
         Every client's record count.
     """
+    p = cfg.privacy
     return {
-        "privacy": privacy.fingerprint(),
+        "privacy": {"enabled": privacy.private, "sigma": privacy.sigma, "clip": p.clip, "delta": p.delta,
+                    "accountant": p.accountant},
         "federation.local_steps": cfg.federation.local_steps,
         "federation.batch_size": cfg.federation.batch_size,
         "federation.n_clients": cfg.federation.n_clients,
@@ -116,18 +120,10 @@ class Checkpoints:
         self.run_dir, self.fingerprint, self.rounds = run_dir, fingerprint, rounds
         self.shapes = {k: tuple(v.shape) for k, v in initial.items()}
 
-    def start(self, state: RunState, ledger) -> RunState:
-        """A new run: the empty ledger's files, then the checkpoint of round 0, before anything is charged.
-
-        So a run stopped at any point, even in its first round, can be resumed.
-        """
-        if ledger is not None:
-            BudgetFiles(self.run_dir, self.fingerprint).start(ledger.state_dict())
-        self.save(state, ledger)
-        return state
-
-    def save(self, state: RunState, ledger) -> None:
-        """Write ``checkpoint.pt`` for ``state`` (after round ``state.round - 1``), then keep room for the next one.
+    def save(self, state: RunState, ledger: Optional[dict]) -> None:
+        """Write ``checkpoint.pt`` for ``state`` (after round ``state.round - 1``) with ``ledger``,
+        the ledger's state after that round's charge (None when not private), then keep room for
+        the next one.
 
         The run directory keeps ``RESERVE_FACTOR`` times the checkpoint and the ledger free
         (``.reserve``); a write that finds the disk full gives that space back, the loop
@@ -145,7 +141,7 @@ class Checkpoints:
             "optimizer_states": state.optimizer_states,
             "counters": dict(state.counters),
             "fingerprint": self.fingerprint,
-            "ledger": ledger.state_dict() if ledger is not None else None,
+            "ledger": ledger,
             "last_metrics": dict(state.last_metrics),
         })
         if state.round < self.rounds and (rd.out_of_space() or not rd.reserve(self._room(size))):
@@ -216,6 +212,8 @@ class Checkpoints:
             When ``budget.json`` is missing, older than the checkpoint, the charge log or the
             rounds of ``metrics.jsonl``, or does not fit this run.
         """
+        if ledger.state_dict() is None:
+            return  # a run without privacy keeps no ledger
         rd = self.run_dir
         saved = BudgetFiles(rd, self.fingerprint).trusted(state, rd.read_metrics(tolerant=True))
         try:
@@ -231,8 +229,8 @@ class Checkpoints:
 
         Parameters
         ----------
-        ledger : PrivacyLedger or None
-            A fresh ledger of the run (None when not private): the saved budget is loaded into it.
+        ledger : PrivacyLedger, NullLedger or a remote ledger
+            The run's ledger: the saved budget is loaded into it.
 
         Raises
         ------
@@ -241,8 +239,7 @@ class Checkpoints:
         """
         state = self.run_dir.read_checkpoint()
         self._check_checkpoint(state)
-        if ledger is not None:
-            self._load_ledger(ledger, state)
+        self._load_ledger(ledger, state)
         self.run_dir.metrics_before(state["round"])
         return RunState(
             theta=state["theta"], round=state["round"], optimizer_states=state["optimizer_states"],
@@ -266,10 +263,88 @@ class Checkpoints:
                 f"the file system of {rd.path} has not {room} bytes free for the run's next checkpoints; "
                 f"nothing was written: free space and continue with rfedray run --resume {rd.path}"
             )
-        if ledger is not None:
-            BudgetFiles(rd, self.fingerprint).complete_log()
         rd.truncate_metrics(state.round)
-        rd.append_metrics({"event": "resumed", "round": state.round,
-                           "epsilon_spent": ledger.epsilon_spent() if ledger else None,
-                           "ledger_charges": ledger.state_dict()["charges"] if ledger else None})
+        saved = ledger.state_dict()
+        rd.append_metrics({"event": "resumed", "round": state.round, "epsilon_spent": ledger.epsilon_spent(),
+                           "ledger_charges": saved["charges"] if saved is not None else None})
         return state
+
+
+class WriteAheadLedger:
+    """A ledger whose every granted charge is on disk before :meth:`authorize` returns.
+
+    The only writer of the run's ledger files (:class:`~rfedray.federated.budget.BudgetFiles`:
+    ``budget.json`` and the hash-chained charge log ``ledger.jsonl``): the loop's on the local
+    engine, the accountant actor's on Ray (:mod:`actors.accountant_actor`, which Ray restarts: a
+    restarted one reloads ``budget.json``). It loads ``budget.json`` when the file was written for
+    the same accounting fingerprint, and writes under the run directory's lock token, so a writer
+    that outlives its driver cannot write once a resume took the run directory over.
+
+    Every charge may carry a request id: a caller that re-sends a request it could not see answered
+    (Ray re-sends a call in flight when the actor died) gets the earlier answer, charged once.
+
+    Parameters
+    ----------
+    ledger : PrivacyLedger or NullLedger
+        A fresh ledger of the run (its own copy); a NullLedger writes nothing.
+    fingerprint : dict
+        What the accounting depends on (:func:`accounting_fingerprint`), written with the ledger.
+    run_dir : RunDirectory
+        The run directory (with the writer token of its lock).
+    """
+
+    def __init__(self, ledger, fingerprint: dict, run_dir: RunDirectory):
+        self._ledger, self._files = ledger, BudgetFiles(run_dir, fingerprint)
+        self._last: Optional[dict] = None
+        saved = self._files.current()
+        if saved is not None:
+            self._ledger.load_state_dict(saved["ledger"])
+            self._last = saved.get("request")
+
+    def start(self) -> Optional[dict[str, Any]]:
+        """Write a new run's ledger files (the empty ledger, the first line of the charge log); return
+        the empty ledger's state (what the checkpoint of round 0 keeps; None when not private)."""
+        state = self._ledger.state_dict()
+        if state is not None:
+            self._files.start(state)
+        return state
+
+    def authorize(self, cohort: Sequence[int], count: int = 1, round: Optional[int] = None,
+                  request: Optional[str] = None) -> Authorization:
+        """Charge the cohort (:meth:`PrivacyLedger.authorize`) and persist the charge before returning.
+
+        Parameters
+        ----------
+        cohort : sequence of int
+        count : int
+            Participations each client releases in the round.
+        round : int or None
+            The round being charged, recorded with the ledger.
+        request : str or None
+            Unique per round; a repeated request is answered without charging again.
+
+        Raises
+        ------
+        RunDirectoryWriteError
+            When the charge cannot be persisted (the cohort must not train then).
+        """
+        if request is not None and self._last is not None and self._last["id"] == request:
+            return Authorization(self._last["granted"], self._last["reason"], self._last["epsilon_after"],
+                                 self._ledger.state_dict())
+        auth = self._ledger.authorize(cohort, count)
+        if auth.granted and auth.state is not None:
+            extra = None
+            if request is not None:
+                self._last = {"id": request, "granted": True, "reason": auth.reason, "epsilon_after": auth.epsilon_after}
+                extra = {"request": self._last}
+            self._files.commit(auth.state, round, cohort, count, auth.epsilon_after, extra)
+        return auth
+
+    def epsilon_spent(self) -> Optional[float]:
+        return self._ledger.epsilon_spent()
+
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        return self._ledger.state_dict()
+
+    def load_state_dict(self, state: Optional[Mapping[str, Any]]) -> None:
+        self._ledger.load_state_dict(state)

@@ -81,6 +81,10 @@ class RunDirectory:
         self.path = self.store.location
         self.writer_token = writer_token
 
+    def __reduce__(self):
+        # Sent to another process (a Ray actor) as its location and writer token.
+        return (type(self), (str(self.path), self.writer_token))
+
     @classmethod
     def create(cls, output_dir: str, run_id: str) -> "RunDirectory":
         """A new, empty run directory ``run_id`` in ``output_dir`` (a folder or an object-storage URL).

@@ -16,6 +16,7 @@ from rfedray.config import Config, ConfigError
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import Client, LocalPlan
 from rfedray.geometry import STIEFEL_RETRACTIONS, Stiefel
+from rfedray.privacy.plan import GaussianMechanism, PrivacyPlan
 from rfedray.task import FederatedDataset, FederatedModel
 
 
@@ -96,36 +97,18 @@ def check_client_sizes(cfg: Config, sizes: list[int]) -> None:
         )
 
 
-@dataclass(frozen=True)
-class PrivacyPlan:
-    """The resolved privacy parameters of a run (sigma calibrated if it was not given)."""
-
-    enabled: bool
-    sigma: Optional[float]
-    clip: float
-    delta: float
-    epsilon_target: Optional[float]
-    accountant: str
-    smallest_client: int
-
-    def fingerprint(self) -> dict:
-        return {
-            "enabled": self.enabled, "sigma": self.sigma, "clip": self.clip, "delta": self.delta,
-            "accountant": self.accountant,
-        }
-
-
 def resolve_privacy(cfg: Config, sizes: list[int]) -> PrivacyPlan:
-    """Calibrate sigma for the planned run, or check that a given sigma is usable at all.
+    """The run's privacy plan: sigma calibrated for the planned run, or a given sigma checked to be
+    usable at all.
 
     Calibration assumes the worst client: the smallest m and T participations.
     """
-    from rfedray.privacy.accountants import ACCOUNTANTS, calibrate_sigma
+    from rfedray.privacy.accountants import ACCOUNTANTS, GaussianStep, calibrate_sigma
 
     p, fed = cfg.privacy, cfg.federation
     smallest = min(sizes)
     if not p.enabled:
-        return PrivacyPlan(False, None, p.clip, p.delta, None, p.accountant, smallest)
+        return PrivacyPlan(None, p.accountant, p.delta, None, fed.local_steps, p.noise_seed)
     accountant = ACCOUNTANTS[p.accountant]()
     sigma = p.sigma
     if sigma is None:
@@ -134,10 +117,8 @@ def resolve_privacy(cfg: Config, sizes: list[int]) -> PrivacyPlan:
             local_steps=fed.local_steps, batch_size=fed.batch_size, records=smallest, clip=p.clip,
         )
     elif p.epsilon is not None:
-        one_round = accountant.epsilon(
-            sigma=sigma, clip=p.clip, batch_size=fed.batch_size, records=smallest, rounds=1,
-            local_steps=fed.local_steps, delta=p.delta,
-        )
+        step = GaussianStep.clipped_mean(sigma=sigma, clip=p.clip, batch_size=fed.batch_size, records=smallest)
+        one_round = accountant.epsilon(step, rounds=1, local_steps=fed.local_steps, delta=p.delta)
         if one_round > p.epsilon:
             raise ConfigError(
                 "privacy.sigma", sigma,
@@ -145,14 +126,16 @@ def resolve_privacy(cfg: Config, sizes: list[int]) -> PrivacyPlan:
                 "raise sigma or epsilon, or set privacy.sigma=null to calibrate",
             )
     target = p.epsilon if p.halt_at_target else None
-    return PrivacyPlan(True, float(sigma), p.clip, p.delta, target, p.accountant, smallest)
+    mechanism = GaussianMechanism(float(sigma), p.clip, fed.batch_size)
+    return PrivacyPlan(mechanism, p.accountant, p.delta, target, fed.local_steps, p.noise_seed)
 
 
 def local_plan(cfg: Config, privacy: PrivacyPlan) -> LocalPlan:
+    """What every client does in a round: ``cfg``'s local work with ``privacy``'s mechanism."""
     fed = cfg.federation
     return LocalPlan(
         local_steps=fed.local_steps, batch_size=fed.batch_size, total_rounds=cfg.run.rounds,
-        clip=privacy.clip, sigma=privacy.sigma, noise_seed=cfg.privacy.noise_seed,
+        mechanism=privacy.mechanism, noise_seed=privacy.noise_seed,
     )
 
 

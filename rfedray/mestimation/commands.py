@@ -18,15 +18,20 @@ import torch
 
 
 def _build_task(cfg):
+    """The run's dataset, model and engine: every client in this process, or on ``run.num_hosts``
+    client actors that build their clients' data themselves (:func:`actors.engine.ray_task_engine`)."""
+    from rfedray.federated.engine import LocalEngine, TaskSpec
     from rfedray.mestimation.config import DATA_MODULES, MODEL_MODULES
-    from rfedray.mestimation.engine import TaskSpec, make_engine
 
     spec = TaskSpec(DATA_MODULES[cfg.data.name], MODEL_MODULES[cfg.model.name], dict(cfg.data.options),
                     dict(cfg.model.options), cfg.federation.n_clients, cfg.run.seed)
     dataset = spec.build_dataset()
     model = spec.build_model(dataset.info)
-    engine = make_engine(cfg.run.engine, spec, dataset, model, num_hosts=cfg.run.num_hosts)
-    return dataset, model, engine
+    if cfg.run.engine == "local":
+        return dataset, model, LocalEngine(dataset, model)
+    from actors.engine import ray_task_engine
+
+    return dataset, model, ray_task_engine(spec, cfg.federation.n_clients, cfg.run.num_hosts)
 
 
 def _run_directory(cfg):
@@ -96,7 +101,7 @@ def cmd_mestimation_run(args: argparse.Namespace) -> int:
 def cmd_ddpsa_run(args: argparse.Namespace) -> int:
     from rfedray.config import split_items
     from rfedray.ddpsa.runner import run_ddpsa
-    from rfedray.ddpsa.secure_aggregation import FixedPointCodec, LocalAggregators, RayAggregators
+    from rfedray.ddpsa.secure_aggregation import FixedPointCodec, LocalAggregators
     from rfedray.mestimation.config import DDPSAConfig, load
 
     path, overrides = split_items(args.items)
@@ -104,7 +109,12 @@ def cmd_ddpsa_run(args: argparse.Namespace) -> int:
     d, p = cfg.ddpsa, cfg.privacy
     rd = _run_directory(cfg)
     dataset, model, engine = _build_task(cfg)
-    aggregators = (RayAggregators if cfg.run.engine == "ray" else LocalAggregators)(d.aggregators, d.min_clients)
+    if cfg.run.engine == "ray":
+        from actors.aggregators import RayAggregators
+
+        aggregators = RayAggregators(d.aggregators, d.min_clients)
+    else:
+        aggregators = LocalAggregators(d.aggregators, d.min_clients)
     try:
         result = run_ddpsa(
             build_policy(d, p.clip), engine, aggregators, model, dataset, rounds=cfg.run.rounds,
@@ -114,9 +124,9 @@ def cmd_ddpsa_run(args: argparse.Namespace) -> int:
             codec=FixedPointCodec(d.frac_bits, max(1024, cfg.federation.n_clients)), min_clients=d.min_clients,
             patience=d.patience, min_delta=d.min_delta, seed=cfg.run.seed, noise_seed=p.noise_seed)
     finally:
-        engine.close()
         if hasattr(aggregators, "close"):
             aggregators.close()
+        engine.close()  # last: it shuts down the Ray instance it started
     _finish(rd, result)
     return 0
 

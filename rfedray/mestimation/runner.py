@@ -3,7 +3,7 @@
 Every participant of round ``t`` releases ``strategy.steps(t)`` private steps, each the same
 Gaussian mechanism (noise multiplier ``z``, minibatch ``B`` of its ``m`` records; a Newton step is
 priced as one step, see :mod:`rfedray.mestimation.local`). The ledger is the project's
-:class:`rfedray.privacy.ledger.PrivacyLedger` with unit clip and ``sigma = z`` and one step per
+:class:`rfedray.privacy.ledger.PrivacyLedger` of the run's :func:`privacy_plan`, one step per
 charge; it is charged for every step of the round *before* the clients run (write-ahead), and a
 round that would pass the target epsilon is not run. ``z`` is calibrated by the project's
 ``calibrate_sigma`` for the worst client (smallest ``m``, taking part in every round).
@@ -21,10 +21,11 @@ import torch
 
 from rfedray.federated.client import ClientFailure
 from rfedray.federated.server import cohort as draw_cohort
-from rfedray.mestimation.engine import Engine
+from rfedray.federated.engine import Engine
 from rfedray.mestimation.local import ParamLayout, StepPlan
 from rfedray.mestimation.strategies import FedNewton, Strategy
 from rfedray.privacy.statement import statement
+from rfedray.privacy.plan import GaussianMechanism, PrivacyPlan
 from rfedray.task import FederatedDataset, FederatedModel, Params
 
 
@@ -61,19 +62,20 @@ class PrivacySpec:
 
 
 def calibrate_multiplier(spec: PrivacySpec, total_steps: int, batch_size: int, records: int) -> float:
-    """``z`` such that ``total_steps`` steps on the smallest client spend ``spec.epsilon``."""
+    """The noise multiplier such that ``total_steps`` steps on the smallest client spend ``spec.epsilon``."""
     from rfedray.privacy.accountants import ACCOUNTANTS, calibrate_sigma
 
     return float(calibrate_sigma(ACCOUNTANTS[spec.accountant](), epsilon=spec.epsilon, delta=spec.delta,
                                  rounds=total_steps, local_steps=1, batch_size=batch_size, records=records, clip=1.0))
 
 
-def make_ledger(spec: PrivacySpec, z: float, batch_size: int, sizes: list[int], target: Optional[float]):
-    from rfedray.privacy.accountants import ACCOUNTANTS
-    from rfedray.privacy.ledger import PrivacyLedger
-
-    return PrivacyLedger(ACCOUNTANTS[spec.accountant](), sigma=z, clip=1.0, batch_size=batch_size, local_steps=1,
-                         delta=spec.delta, epsilon_target=target, client_sizes=sizes)
+def privacy_plan(spec: PrivacySpec, noise_multiplier: Optional[float], batch_size: int) -> PrivacyPlan:
+    """The run's plan: every step a Gaussian mechanism of clip C and noise ``noise_multiplier * C``,
+    one step per charge (a round charges :meth:`Strategy.steps`)."""
+    if noise_multiplier is None:
+        return PrivacyPlan(None, spec.accountant, spec.delta, noise_seed=spec.noise_seed)
+    mechanism = GaussianMechanism(noise_multiplier * spec.clip, spec.clip, batch_size)
+    return PrivacyPlan(mechanism, spec.accountant, spec.delta, spec.epsilon, local_steps=1, noise_seed=spec.noise_seed)
 
 
 def pooled_m_estimator(model: FederatedModel, data: tuple[torch.Tensor, ...], tol: float = 1e-10,
@@ -144,13 +146,11 @@ def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, data
     if isinstance(strategy, FedNewton):
         strategy.check_model(theta)
     total_steps = strategy.total_steps(rounds)
-    z, ledger = None, None
-    if privacy.private:
-        z = privacy.noise_multiplier
-        if z is None:
-            z = calibrate_multiplier(privacy, total_steps, batch_size, min(sizes))
-        ledger = make_ledger(privacy, z, batch_size, sizes, privacy.epsilon)
-    plan = StepPlan(batch_size, privacy.clip, z, privacy.noise_seed)
+    noise_multiplier = privacy.noise_multiplier
+    if privacy.private and noise_multiplier is None:
+        noise_multiplier = calibrate_multiplier(privacy, total_steps, batch_size, min(sizes))
+    ledger = privacy_plan(privacy, noise_multiplier, batch_size).ledger(sizes)
+    plan = StepPlan(batch_size, privacy.clip, noise_multiplier, privacy.noise_seed)
     eval_data = dataset.eval_data()
     history: list[dict] = []
     halted, halt_reason, failures = False, "", 0
@@ -159,14 +159,10 @@ def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, data
     for t in range(rounds):
         round_start = time.perf_counter()
         chosen = draw_cohort(seed, t, n, clients_per_round)
-        if ledger is not None:
-            for _ in range(strategy.steps(t)):
-                auth = ledger.authorize(chosen)
-                if not auth.granted:
-                    halted, halt_reason = True, auth.reason
-                    break
-            if halted:
-                break
+        auth = ledger.authorize(chosen, strategy.steps(t))
+        if not auth.granted:
+            halted, halt_reason = True, auth.reason
+            break
         results = engine.run(chosen, strategy.task(plan, t), theta, t)
         usable = [r for r in results.values()
                   if not isinstance(r, ClientFailure) and all(bool(torch.isfinite(v).all()) for v in r.values())]
@@ -175,8 +171,7 @@ def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, data
             theta = strategy.aggregate(theta, usable, t)
         completed = t + 1
         record = {"round": t, "answered": len(usable), "steps": strategy.steps(t),
-                  "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
-                  "round_seconds": time.perf_counter() - round_start}
+                  "epsilon_spent": auth.epsilon_after, "round_seconds": time.perf_counter() - round_start}
         if (t + 1) % evaluate_every == 0 or t + 1 == rounds:
             record.update(eval_data.labelled(model.evaluate(theta, eval_data)))
             if reference is not None:
@@ -188,9 +183,9 @@ def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, data
     summary = {
         **strategy.describe(),
         "rounds_completed": completed, "rounds_planned": rounds, "private_steps_per_client": total_steps,
-        "noise_multiplier": z, "clip": privacy.clip if privacy.private else None,
+        "noise_multiplier": noise_multiplier, "clip": privacy.clip if privacy.private else None,
         "epsilon_target": privacy.epsilon, "delta": privacy.delta if privacy.private else None,
-        "epsilon_spent": ledger.epsilon_spent() if ledger is not None else None,
+        "epsilon_spent": ledger.epsilon_spent(),
         "accountant": privacy.accountant if privacy.private else None,
         **(statement() if privacy.private else {}),
         "not_for_production": privacy.noise_seed is not None and privacy.private,

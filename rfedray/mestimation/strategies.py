@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from rfedray.federated.client import round_generator
-from rfedray.mestimation.engine import HostedClient
+from rfedray.federated.engine import HostedClient
 from rfedray.mestimation.local import PAIR_FACTOR, ParamLayout, StepPlan, newton_direction, private_hessian, step_gradient
 from rfedray.task import Params
 

@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 from rfedray.errors import RfedrayError
 from rfedray.privacy import paper
-from rfedray.privacy.accountants import ACCOUNTANTS, calibrate_sigma
+from rfedray.privacy.accountants import ACCOUNTANTS, GaussianStep, calibrate_sigma
 from rfedray.privacy.checks import PrivacyParameterError
 
 _NUMBERS = {"epsilon": float, "sigma": float, "delta": float, "clip": float,
@@ -86,7 +86,13 @@ def cmd_epsilon(args: argparse.Namespace) -> int:
     """``privacy epsilon``: print the epsilon of one client after ``rounds`` participations."""
     accountant = _accountant(args)
     values = _values(args, ("sigma",) + _MECHANISM)
-    epsilon = _run(args, lambda: accountant.epsilon(**values))
+
+    def epsilon_of() -> float:
+        step = GaussianStep.clipped_mean(sigma=values["sigma"], clip=values["clip"], batch_size=values["batch_size"],
+                                         records=values["records"])
+        return accountant.epsilon(step, rounds=values["rounds"], local_steps=values["local_steps"], delta=values["delta"])
+
+    epsilon = _run(args, epsilon_of)
     if args.json:
         print(json.dumps({"epsilon": epsilon, "sigma": values["sigma"], "delta": values["delta"],
                           "accountant": args.accountant, "upper_bound": accountant.upper_bound}))

@@ -17,16 +17,26 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Protocol, Sequence
 
 from rfedray.privacy import checks
 
 if TYPE_CHECKING:
-    from rfedray.privacy.accountants import Accountant
+    from rfedray.privacy.accountants import Accountant, Step
 
 STATE_FORMAT = "rfedray.privacy.ledger/1"
 
-_MECHANISM_FIELDS = ("accountant", "sigma", "clip", "batch_size", "local_steps", "delta", "client_sizes")
+
+class Mechanism(Protocol):
+    """What a ledger needs of a mechanism (:class:`~rfedray.privacy.plan.GaussianMechanism`,
+    :class:`~rfedray.privacy.plan.LaplaceMechanism`): its batch size, the step it makes for a client
+    of ``records`` records, and the parameters the ledger's state records."""
+
+    batch_size: int
+
+    def step(self, records: int) -> "Step": ...
+
+    def state(self) -> dict: ...
 
 
 @dataclass(frozen=True)
@@ -39,13 +49,17 @@ class Authorization:
         Whether the cohort was charged and may train.
     reason : str
         Why not (names the client and the numbers), or what was charged.
-    epsilon_after : float
-        The transcript epsilon after this call (unchanged when refused).
+    epsilon_after : float or None
+        The transcript epsilon after this call (unchanged when refused); None when not private.
+    state : dict or None
+        The ledger's :meth:`~PrivacyLedger.state_dict` after this call (what a checkpoint keeps), so
+        that a remote ledger answers a round in one call; None when not private.
     """
 
     granted: bool
     reason: str
-    epsilon_after: float
+    epsilon_after: Optional[float]
+    state: Optional[dict] = None
 
 
 def _pareto_front(keys: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -65,11 +79,12 @@ class PrivacyLedger:
     Parameters
     ----------
     accountant : Accountant
-        One that bounds epsilon from above (``exact``, ``prirfed``; never the ``clt`` approximation).
-    sigma, clip : float
-        The step mechanism's absolute noise and clip, > 0.
-    batch_size, local_steps : int
-        ``B`` (at most the smallest client) and ``tau``, >= 1.
+        Of the mechanism's steps, and one that bounds epsilon from above (never the ``clt`` approximation).
+    mechanism : GaussianMechanism or LaplaceMechanism
+        What every private step does (:mod:`rfedray.privacy.plan`): it describes a client's step
+        from its record count, and its batch size ``B`` is at most the smallest client's.
+    local_steps : int
+        Steps of one participation (``tau``), >= 1.
     delta : float
         In (0, 1).
     epsilon_target : float or None
@@ -81,10 +96,8 @@ class PrivacyLedger:
     def __init__(
         self,
         accountant: "Accountant",
+        mechanism: "Mechanism",
         *,
-        sigma: float,
-        clip: float,
-        batch_size: int,
         local_steps: int,
         delta: float,
         epsilon_target: Optional[float],
@@ -93,15 +106,14 @@ class PrivacyLedger:
         from rfedray.privacy.accountants import require_upper_bound
 
         self.accountant = require_upper_bound(accountant)
-        self.sigma = checks.positive("sigma", sigma)
-        self.clip = checks.positive("clip", clip)
+        self.mechanism = mechanism
         self.local_steps = checks.positive_int("local_steps", local_steps)
         self.delta = checks.open_unit("delta", delta)
         self.epsilon_target = None if epsilon_target is None else checks.positive("epsilon_target", epsilon_target)
         sizes = list(client_sizes)
         if not sizes:
             raise checks.PrivacyParameterError("client_sizes", sizes, "must list at least one client")
-        self.batch_size = checks.positive_int("batch_size", batch_size)
+        self.batch_size = checks.positive_int("batch_size", mechanism.batch_size)
         for i, m in enumerate(sizes):
             try:
                 checks.batch_within(self.batch_size, m)
@@ -119,8 +131,7 @@ class PrivacyLedger:
         key = (records, participations)
         if key not in self._epsilons:
             self._epsilons[key] = self.accountant.epsilon(
-                sigma=self.sigma, clip=self.clip, batch_size=self.batch_size, records=records,
-                rounds=participations, local_steps=self.local_steps, delta=self.delta,
+                self.mechanism.step(records), rounds=participations, local_steps=self.local_steps, delta=self.delta,
             )
         return self._epsilons[key]
 
@@ -134,8 +145,8 @@ class PrivacyLedger:
             raise checks.PrivacyParameterError("client", client, allowed)
         return i
 
-    def authorize(self, cohort: Sequence[int]) -> Authorization:
-        """Charge one participation to every client of ``cohort``, unless one would exceed the target.
+    def authorize(self, cohort: Sequence[int], count: int = 1) -> Authorization:
+        """Charge ``count`` participations to every client of ``cohort``, unless one would exceed the target.
 
         Call it before the cohort trains; persist :meth:`state_dict` before training too, so that
         a crash never loses a charge.
@@ -144,6 +155,8 @@ class PrivacyLedger:
         ----------
         cohort : sequence of int
             Distinct client indices.
+        count : int
+            Participations (of ``local_steps`` steps) each client releases in the round, >= 1.
 
         Returns
         -------
@@ -153,25 +166,27 @@ class PrivacyLedger:
         clients = [self._check_client(c) for c in cohort]
         if len(set(clients)) != len(clients):
             raise checks.PrivacyParameterError("cohort", list(cohort), "must not repeat a client")
-        wanted = {(self.client_sizes[i], self._participations[i] + 1): i for i in clients}
+        count = checks.positive_int("count", count)
+        wanted = {(self.client_sizes[i], self._participations[i] + count): i for i in clients}
         worst = max(
             ((self._epsilon(m, p), wanted[(m, p)], m, p) for m, p in _pareto_front(wanted)),
             default=(0.0, -1, 0, 0),
         )
-        epsilon, client, records, count = worst
+        epsilon, client, records, participation = worst
         if self.epsilon_target is not None and epsilon > self.epsilon_target:
             return Authorization(
                 False,
                 f"client {client} (m={records} records) would reach epsilon={epsilon:.6g} > "
-                f"epsilon_target={self.epsilon_target:g} (delta={self.delta:g}) at participation {count}; "
+                f"epsilon_target={self.epsilon_target:g} (delta={self.delta:g}) at participation {participation}; "
                 "nothing was charged",
                 self._spent,
             )
         for i in clients:
-            self._participations[i] += 1
+            self._participations[i] += count
         self._spent = max(self._spent, epsilon)
         self._charges += 1
-        return Authorization(True, f"charged one participation to {len(clients)} clients", self._spent)
+        charged = "one participation" if count == 1 else f"{count} participations"
+        return Authorization(True, f"charged {charged} to {len(clients)} clients", self._spent, self.state_dict())
 
     def epsilon_spent(self) -> float:
         """The transcript's record-level epsilon: the largest client epsilon (0 before any round)."""
@@ -193,9 +208,7 @@ class PrivacyLedger:
     def _mechanism(self) -> dict[str, Any]:
         return {
             "accountant": self.accountant.config(),
-            "sigma": self.sigma,
-            "clip": self.clip,
-            "batch_size": self.batch_size,
+            **self.mechanism.state(),
             "local_steps": self.local_steps,
             "delta": self.delta,
             "client_sizes": list(self.client_sizes),
@@ -221,13 +234,13 @@ class PrivacyLedger:
         Raises
         ------
         ValueError
-            If the snapshot's format, any mechanism field (accountant, sigma, clip, batch_size,
+            If the snapshot's format, any mechanism field (accountant, the mechanism's parameters,
             local_steps, delta, client_sizes) or its participation counts do not fit this ledger.
         """
         if state.get("format") != STATE_FORMAT:
             raise checks.PrivacyParameterError("format", state.get("format"), f"must be {STATE_FORMAT!r}")
         mine = self._mechanism()
-        for name in _MECHANISM_FIELDS:
+        for name in mine:
             if state.get(name) != mine[name]:
                 raise checks.PrivacyParameterError(
                     name, state.get(name),
@@ -252,3 +265,19 @@ class PrivacyLedger:
         recomputed = max((self._epsilon(m, p) for m, p in _pareto_front(keys)), default=0.0)
         saved = state.get("epsilon_spent", 0.0)
         self._spent = max(recomputed, float(saved) if isinstance(saved, (int, float)) and math.isfinite(saved) else 0.0)
+
+
+class NullLedger:
+    """The ledger of a run without privacy: every round is granted, nothing is spent or kept."""
+
+    def authorize(self, cohort: Sequence[int], count: int = 1) -> Authorization:
+        return Authorization(True, "not private: nothing to charge", None, None)
+
+    def epsilon_spent(self) -> None:
+        return None
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state: Optional[Mapping[str, Any]]) -> None:
+        """Nothing to restore (a non-private checkpoint holds no ledger)."""

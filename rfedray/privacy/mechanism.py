@@ -293,7 +293,7 @@ def rule_gradient(
         s_l = min(1, C / ||P g_l||) (0 if not finite),   g = P ( sum_l (s_l / B) g_l + sigma xi ).
 
     Several clients' steps are one call with a leading client dimension on ``params``, ``records``
-    and ``noise``, without ``vmap`` (:mod:`rfedray.federated.batched`); every operation computes each
+    and ``noise``, without ``vmap`` (:func:`rfedray.federated.client.train_together`); every operation computes each
     client's slice as it would alone. Arguments are not checked here (the callers have).
 
     Parameters

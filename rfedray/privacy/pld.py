@@ -9,7 +9,8 @@ it through the hockey-stick divergence
 and composing mechanisms adds independent losses, so the PLD of ``n`` steps is the ``n``-fold
 convolution of one step's PLD.
 
-:func:`subsampled_gaussian_pld` builds the PLD of one private step of DP-RFedProj: the trade-off
+:func:`subsampled_laplace_pld` builds the PLD of one DDP-SA step (the subsampled Laplace mechanism)
+the same way. :func:`subsampled_gaussian_pld` builds the PLD of one private step of DP-RFedProj: the trade-off
 function ``C_q(G_mu)`` of Dong, Roth and Su (the Gaussian mechanism ``G_mu`` under sampling
 without replacement at rate ``q``, replace-one adjacency). It is the symmetric PLD whose positive
 part is that of the "remove" pair ``q N(mu, 1) + (1 - q) N(0, 1)`` against ``N(0, 1)``, mirrored
@@ -250,6 +251,39 @@ class DiscretePLD:
         return min(max(math.log((float(s1[hi]) - delta) / float(s2[hi])), floor), float(losses[hi]))
 
 
+def _mirrored_remove_pair(grid: np.ndarray, h: float, survival_p: np.ndarray, survival_q: np.ndarray,
+                          p_above_zero: float, q_above_zero: float) -> np.ndarray:
+    """The probabilities of a symmetric PLD on ``[-J h, J h]`` from its "remove" pair's losses >= 0.
+
+    Parameters
+    ----------
+    grid : ndarray, shape (J + 1,)
+        Losses ``y_j = j h``.
+    h : float
+        Grid step.
+    survival_p, survival_q : ndarray, shape (J + 1,)
+        ``P(loss > y_j)`` under the pair's two distributions (``P`` the one with the record).
+    p_above_zero, q_above_zero : float
+        ``P(loss > 0)`` under each; what neither puts above zero (nor, mirrored, below) is at 0.
+
+    Returns
+    -------
+    ndarray, shape (2 J + 1,)
+        Pessimistic ("connect the dots": a at ``y_j``, b at ``y_{j+1}``, with a + b the P-mass
+        of the cell and ``a e^{-y_j} + b e^{-y_{j+1}}`` its Q-mass), losses < 0 mirrored
+        (``omega(-l) = e^{-l} omega(l)``).
+    """
+    mass_p = survival_p[:-1] - survival_p[1:]
+    mass_q = survival_q[:-1] - survival_q[1:]
+    upper_share = np.clip((mass_p - mass_q * np.exp(grid[:-1])) / -math.expm1(-h), 0.0, mass_p)
+    positive = np.zeros(len(grid))
+    positive[:-1] += mass_p - upper_share
+    positive[1:] += upper_share
+    mirrored = positive * np.exp(-grid)
+    at_zero = positive[0] + mirrored[0] + max(0.0, 1.0 - p_above_zero - q_above_zero)
+    return np.concatenate([mirrored[:0:-1], [at_zero], positive[1:]])
+
+
 def subsampled_gaussian_pld(
     mu: float, sampling_rate: float, discretization: float = 1e-4, step_tail_mass: float = STEP_TAIL_MASS
 ) -> DiscretePLD:
@@ -284,14 +318,50 @@ def subsampled_gaussian_pld(
     x = (np.log1p(np.expm1(grid) / q) + mu * mu / 2.0) / mu
     survival_q = special.ndtr(-x)
     survival_p = q * special.ndtr(mu - x) + (1.0 - q) * survival_q
-    mass_p = survival_p[:-1] - survival_p[1:]
-    mass_q = survival_q[:-1] - survival_q[1:]
-    # Connect the dots: a at y_j, b at y_{j+1}, with a + b = P-mass and a e^{-y_j} + b e^{-y_{j+1}} = Q-mass.
-    upper_share = np.clip((mass_p - mass_q * np.exp(grid[:-1])) / -math.expm1(-h), 0.0, mass_p)
-    positive = np.zeros(cells + 1)
-    positive[:-1] += mass_p - upper_share
-    positive[1:] += upper_share
-    mirrored = positive * np.exp(-grid)
-    at_zero = positive[0] + mirrored[0] + max(0.0, 1.0 - survival_p[0] - survival_q[0])
-    probs = np.concatenate([mirrored[:0:-1], [at_zero], positive[1:]])
+    probs = _mirrored_remove_pair(grid, h, survival_p, survival_q, survival_p[0], survival_q[0])
     return DiscretePLD(h, -cells, probs, float(survival_p[-1]))
+
+
+def subsampled_laplace_pld(ratio: float, sampling_rate: float, discretization: float = 1e-4) -> DiscretePLD:
+    """The symmetric PLD of ``C_q(f_r)``: one Laplace step of sensitivity-to-scale ``ratio`` at rate ``q``.
+
+    A release with Laplace noise whose shift, after rescaling every coordinate by its noise scale,
+    has L1 norm at most ``r`` is dominated by the one-dimensional pair ``(Lap(r, 1), Lap(0, 1))``.
+    Under sampling without replacement at ``q = B / m`` (replace-one) the step is ``C_q(f_r)``,
+    ``f_r`` the Laplace trade-off function; its PLD is built as :func:`subsampled_gaussian_pld` builds
+    the Gaussian one: the "remove" pair ``q Lap(r) + (1 - q) Lap(0)`` against ``Lap(0)`` for losses
+    > 0, mirrored to negative losses (``omega(-l) = e^{-l} omega(l)``), the rest at 0, discretised
+    pessimistically ("connect the dots"). The loss is bounded by ``log(q e^r + 1 - q)`` (reached with
+    positive probability, an atom), so there is no infinite-loss mass.
+
+    Parameters
+    ----------
+    ratio : float
+        ``r = Delta_1 / b`` > 0.
+    sampling_rate : float
+        ``q = B / m`` in (0, 1].
+    discretization : float
+        Grid step ``h`` of the losses, > 0.
+
+    Returns
+    -------
+    DiscretePLD
+        On ``[-J h, J h]`` with ``J h >= log(q e^r + 1 - q)``.
+    """
+    r = checks.positive("ratio", ratio)
+    q = checks.sampling_rate("sampling_rate", sampling_rate)
+    h = checks.positive("discretization", discretization)
+    top_loss = math.log(q * math.exp(r) + 1.0 - q) if r < 700 else math.log(q) + r
+    cells = max(1, math.ceil(top_loss / h - 1e-9))
+    grid = np.arange(cells + 1) * h
+    # x(y): output where log(q e^{s(x)} + 1 - q) = y, s(x) = 2x - r on [0, r]; capped at r (the atom).
+    s = np.log1p(np.expm1(np.minimum(grid, top_loss)) / q)
+    x = np.minimum((s + r) / 2.0, r)
+    survival_q = 0.5 * np.exp(-x)
+    survival_p = q * (1.0 - 0.5 * np.exp(x - r)) + (1.0 - q) * survival_q
+    survival_q[-1] = 0.0
+    survival_p[-1] = 0.0
+    p_above_zero = q * (1.0 - 0.5 * math.exp(-r / 2.0)) + (1.0 - q) * 0.5 * math.exp(-r / 2.0)
+    q_above_zero = 0.5 * math.exp(-r / 2.0)
+    probs = _mirrored_remove_pair(grid, h, survival_p, survival_q, p_above_zero, q_above_zero)
+    return DiscretePLD(h, -cells, probs, 0.0)

@@ -204,21 +204,16 @@ def _ray_is_running() -> bool:
 
 
 def _run_on_ray(args: list, progress: _Progress) -> list[dict]:
-    """One Ray task (one CPU, one torch thread) per job, across the cluster; the output directory
-    must be shared by the nodes that run them (a local instance, or a shared file system)."""
-    import ray
+    """One Ray task (one CPU, one torch thread) per job, across the cluster (:mod:`actors.tasks`); the
+    output directory must be shared by the nodes that run them (a local instance, or a shared file system)."""
+    from actors.tasks import run_as_tasks
 
-    @ray.remote(num_cpus=1)
-    def job(a):
-        _single_thread()
-        return _run_one(a)
+    return run_as_tasks(_run_single_threaded, args, progress.finished)
 
-    refs = [job.remote(a) for a in args]
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        progress.finished(ray.get(done[0]))
-    return ray.get(refs)
+
+def _run_single_threaded(a) -> dict:
+    _single_thread()
+    return _run_one(a)
 
 
 def run_grid(jobs: dict, output_dir: Path, workers: Optional[int] = None) -> dict:

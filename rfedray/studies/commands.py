@@ -57,15 +57,16 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             raise RfedrayError(f"{options['overrides'][0]}: study {args.name!r} takes no config overrides "
                                "(the federated-PCA studies do)")
         extra["overrides"] = options["overrides"]
+    session = None
     if options["ray"]:
-        import ray
+        from actors.tasks import connect
 
-        ray.init(address=options["ray"], include_dashboard=False, log_to_driver=False)
+        session = connect(options["ray"])
     try:
         report = study.run(out, options["scale"], workers=workers, **extra)
     finally:
-        if options["ray"]:
-            ray.shutdown()
+        if session is not None:
+            session.close()
     print(report)
     return 0
 

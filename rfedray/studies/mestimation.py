@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from rfedray.mestimation.engine import LocalEngine, TaskSpec
+from rfedray.federated.engine import LocalEngine, TaskSpec
 from rfedray.mestimation.runner import PrivacySpec, pooled_m_estimator, run_strategy
 from rfedray.mestimation.strategies import FedAvg, FedHybrid, FedNewton, FedSGD
 
