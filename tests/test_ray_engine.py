@@ -143,7 +143,8 @@ def test_accountant_actor_halts_at_the_target_in_a_placement_group(tmp_path):
 
 def test_a_round_costs_one_accounting_round_trip_and_the_actor_alone_writes_the_budget(tmp_path):
     """The loop asks the accountant actor once a round (the authorization carries the epsilon and the
-    ledger's state), and once more for the summary; budget.json is the actor's (its request ids)."""
+    ledger's state), once before round 0 (it writes the new run's ledger files) and once more for the
+    summary; budget.json is the actor's (its request ids)."""
     cfg = small_cfg(tmp_path, "run.engine=ray", "run.checkpoint_every=2")
     rd = RunDirectory.create(str(tmp_path), "round-trips")
     fed = Federation.prepare(cfg, rd)
@@ -166,7 +167,7 @@ def test_a_round_costs_one_accounting_round_trip_and_the_actor_alone_writes_the_
         executor.close()
     rounds = cfg.run.rounds
     assert summary["rounds_completed"] == rounds
-    assert calls.count("authorize") == rounds and len(calls) == rounds + 1, calls
+    assert calls.count("authorize") == rounds and calls[0] == "start" and len(calls) == rounds + 2, calls
     saved = json.loads(rd.budget.read_text())
     assert saved["request"]["granted"] and saved["round"] == rounds - 1
     assert saved["ledger"]["participations"] == torch.load(rd.checkpoint, weights_only=True)["ledger"]["participations"]
