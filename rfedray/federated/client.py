@@ -28,7 +28,8 @@ from rfedray.config import OptimizerConfig
 from rfedray.geometry import ProductManifold
 from rfedray.optim import build_optimizer
 from rfedray.privacy.mechanism import (
-    noise_generator, nonprivate_gradient, private_gradient_with_noise, rule_gradient, sample_batch, standard_noise,
+    ClipShares, noise_generator, nonprivate_gradient, private_gradient_with_noise, rule_gradient, sample_batch,
+    standard_noise,
 )
 from rfedray.privacy.randomness import SecureGenerator
 from rfedray.task import ClientData, FederatedModel, Params
@@ -50,6 +51,8 @@ class LocalPlan:
         Absolute noise standard deviation; ``None`` for the non-private baseline.
     noise_seed : int or None
         ``None``: OS entropy. An integer makes the run reproducible and not for production.
+    clip_shares : ClipShares or None
+        Group-wise clipping, each group to its share of C (the same sensitivity); ``None``: joint.
     """
 
     local_steps: int
@@ -58,6 +61,7 @@ class LocalPlan:
     clip: float
     sigma: Optional[float]
     noise_seed: Optional[int] = None
+    clip_shares: Optional[ClipShares] = None
 
     @property
     def private(self) -> bool:
@@ -171,6 +175,7 @@ class Client:
             return private_gradient_with_noise(
                 self.model.per_sample_loss, params, self.product, batch,
                 clip=self.plan.clip, sigma=self.plan.sigma, noise=noise, rule=self.model.gradient_rule,
+                shares=self.plan.clip_shares,
             )
         return nonprivate_gradient(self.model.per_sample_loss, params, self.product, batch)
 
@@ -181,7 +186,7 @@ class Client:
         rule = self.model.gradient_rule
         if self.plan.private and rule is not None:
             return rule_gradient(rule, params, self.product, batch, clip=self.plan.clip, sigma=self.plan.sigma,
-                                 noise=noise, batch_size=self.plan.batch_size)
+                                 noise=noise, batch_size=self.plan.batch_size, shares=self.plan.clip_shares)
         return vmap(self._gradient, in_dims=(0, 0, 0 if self.plan.private else None))(params, batch, noise)
 
     def local_train(self, theta: Params, round_index: int, optimizer_state: Optional[dict] = None) -> LocalResult:
