@@ -230,16 +230,28 @@ class CanaryRule:
     def __init__(self, rule, canaries: Canaries):
         self.rule, self.canaries = rule, canaries
 
+    def _canary_tangents(self, params: Params, coefficients: Tensor) -> Params:
+        """The records' canary gradients projected at ``params``, ``{g: (..., B, *shape_g)}``."""
+        ambient = self.canaries.gradient(coefficients)  # {g: (..., B, *shape_g)}
+        points = {g: p.unsqueeze(p.dim() - (self.canaries.directions[g].dim() - 1)) for g, p in params.items()}
+        return self.canaries.product.proj_tangent(points, ambient)
+
     def tangent_norms(self, params: Params, records: tuple[Tensor, ...]) -> Tensor:
         *data, coefficients = records
         norms = self.rule.tangent_norms(params, tuple(data))
         is_canary = (coefficients != 0).any(-1)
         if not bool(is_canary.any()):  # the auditor's harness, not the mechanism: skip work it does not need
             return norms
-        ambient = self.canaries.gradient(coefficients)  # {g: (..., B, *shape_g)}
-        points = {g: p.unsqueeze(p.dim() - (self.canaries.directions[g].dim() - 1)) for g, p in params.items()}
-        tangent = self.canaries.product.proj_tangent(points, ambient)
-        return torch.where(is_canary, self.canaries.product.norm(tangent), norms)
+        return torch.where(is_canary, self.canaries.product.norm(self._canary_tangents(params, coefficients)), norms)
+
+    def group_tangent_norms(self, params: Params, records: tuple[Tensor, ...]) -> Params:
+        *data, coefficients = records
+        norms = self.rule.group_tangent_norms(params, tuple(data))
+        is_canary = (coefficients != 0).any(-1)
+        if not bool(is_canary.any()):
+            return norms
+        tangent, groups = self._canary_tangents(params, coefficients), self.canaries.product.groups
+        return {g: torch.where(is_canary, groups[g].norm(tangent[g]), norms[g]) for g in norms}
 
     def weighted_gradient(self, params: Params, records: tuple[Tensor, ...], weights: Tensor) -> Params:
         *data, coefficients = records

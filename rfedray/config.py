@@ -76,6 +76,7 @@ class PrivacyConfig:
     epsilon: Optional[float] = 1.0
     delta: float = 1e-5
     clip: float = 0.3548
+    clip_shares: Optional[Dict[str, float]] = None  # {group: s_g}, sum s_g^2 = 1: group g clipped to s_g C; null: joint
     sigma: Optional[float] = None
     accountant: str = "exact"
     noise_seed: Optional[int] = None
@@ -424,6 +425,14 @@ def validate(cfg: Config) -> None:
     if not (0.0 < p.delta < 1.0):
         raise ConfigError("privacy.delta", p.delta, "must be in the open interval (0, 1)")
     _positive("privacy.clip", p.clip)
+    if p.clip_shares is not None:
+        from rfedray.privacy.checks import PrivacyParameterError
+        from rfedray.privacy.mechanism import ClipShares
+
+        try:
+            ClipShares.of(p.clip_shares)
+        except PrivacyParameterError as exc:
+            raise ConfigError(f"privacy.{exc.name}", exc.value, exc.allowed) from None
     if p.epsilon is not None:
         _positive("privacy.epsilon", p.epsilon)
     if p.sigma is not None:

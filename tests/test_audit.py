@@ -23,7 +23,7 @@ from rfedray.audit import (
     linear_shift, ratio_from_shift,
 )
 from rfedray.config import ConfigError, load_config
-from rfedray.privacy.mechanism import private_gradient_with_noise, standard_noise, noise_generator
+from rfedray.privacy.mechanism import ClipShares, private_gradient_with_noise, standard_noise, noise_generator
 
 
 def simulated_statistics(rng, trials, canaries, mu0, steps, q):
@@ -97,6 +97,12 @@ def test_canaries_are_clipped_to_c_along_their_directions(auditors, manifold):
         a = private_gradient_with_noise(model.per_sample_loss, theta, product, (z, mixed), rule=None, **kw)
         b = private_gradient_with_noise(model.per_sample_loss, theta, product, (z, mixed), rule=model.gradient_rule, **kw)
         assert all(torch.allclose(a[g], b[g], atol=1e-12) for g in theta)
+        # Group-wise clipping of the one group (share 1) is joint clipping, canaries included, bit for bit.
+        one = ClipShares.of({g: 1.0 for g in theta})
+        for records, joint in (((z, mixed), b), ((z, coefficients), ruled)):
+            grouped = private_gradient_with_noise(model.per_sample_loss, theta, product, records,
+                                                  rule=model.gradient_rule, shares=one, **kw)
+            assert all(torch.equal(grouped[g], joint[g]) for g in theta)
 
 
 def test_the_canary_directions_are_orthogonal_tangents_of_norm_r_c(auditors):

@@ -42,7 +42,8 @@ from rfedray.config import OptimizerConfig
 from rfedray.geometry import ProductManifold
 from rfedray.optim import build_optimizer
 from rfedray.privacy.mechanism import (
-    noise_generator, nonprivate_gradient, private_gradient_with_noise, rule_gradient, sample_batch, standard_noise,
+    ClipShares, noise_generator, nonprivate_gradient, private_gradient_with_noise, rule_gradient, sample_batch,
+    standard_noise,
 )
 from rfedray.privacy.randomness import SecureGenerator
 from rfedray.privacy.plan import GaussianMechanism
@@ -64,6 +65,8 @@ class LocalPlan:
         non-private baseline.
     noise_seed : int or None
         ``None``: OS entropy. An integer makes the run reproducible and not for production.
+    clip_shares : ClipShares or None
+        Group-wise clipping, each group to its share of C (the same sensitivity); ``None``: joint.
     """
 
     local_steps: int
@@ -71,6 +74,7 @@ class LocalPlan:
     total_rounds: int
     mechanism: Optional[GaussianMechanism]
     noise_seed: Optional[int] = None
+    clip_shares: Optional[ClipShares] = None
 
     def __post_init__(self) -> None:
         if self.mechanism is not None and self.mechanism.batch_size != self.batch_size:
@@ -206,6 +210,7 @@ class Client:
             return private_gradient_with_noise(
                 self.model.per_sample_loss, params, self.product, batch,
                 clip=mechanism.clip, sigma=mechanism.sigma, noise=noise, rule=self.model.gradient_rule,
+                shares=self.plan.clip_shares,
             )
         return nonprivate_gradient(self.model.per_sample_loss, params, self.product, batch)
 
@@ -217,7 +222,7 @@ class Client:
         if self.plan.private and rule is not None:
             mechanism = self.plan.mechanism
             return rule_gradient(rule, params, self.product, batch, clip=mechanism.clip, sigma=mechanism.sigma,
-                                 noise=noise, batch_size=self.plan.batch_size)
+                                 noise=noise, batch_size=self.plan.batch_size, shares=self.plan.clip_shares)
         return vmap(self._gradient, in_dims=(0, 0, 0 if self.plan.private else None))(params, batch, noise)
 
     def _result(self, theta: Params, params: Params, start: float) -> LocalResult:

@@ -16,6 +16,8 @@ from rfedray.config import Config, ConfigError
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import Client, LocalPlan
 from rfedray.geometry import STIEFEL_RETRACTIONS, Stiefel
+from rfedray.privacy.checks import PrivacyParameterError
+from rfedray.privacy.mechanism import ClipShares
 from rfedray.privacy.plan import GaussianMechanism, PrivacyPlan
 from rfedray.task import FederatedDataset, FederatedModel
 
@@ -60,14 +62,37 @@ def check_retraction(cfg: Config, model: FederatedModel) -> FederatedModel:
     return model
 
 
+def clip_shares(cfg: Config) -> Optional[ClipShares]:
+    """The run's group-wise clipping (``privacy.clip_shares``, checked by the configuration), or None: joint."""
+    shares = cfg.privacy.clip_shares
+    return None if shares is None else ClipShares.of(shares)
+
+
+def check_clip_shares(cfg: Config, model: FederatedModel) -> FederatedModel:
+    """``model`` if ``privacy.clip_shares`` (when set) gives a share to exactly its parameter groups.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``privacy.clip_shares``, the unknown or missing group and the model's groups.
+    """
+    shares = clip_shares(cfg)
+    if shares is not None:
+        try:
+            shares.check_groups(list(model.groups))
+        except PrivacyParameterError as exc:
+            raise ConfigError(f"privacy.{exc.name}", cfg.privacy.clip_shares, exc.allowed) from None
+    return model
+
+
 def build_model(cfg: Config, info: dict, given: Optional[GivenTask] = None) -> FederatedModel:
     if given is not None and given.model is not None:
         model = plugins.check_model("model", type(given.model).__name__, given.model)
-        return check_retraction(cfg, model)
+        return check_clip_shares(cfg, check_retraction(cfg, model))
     module = registry.model_module(cfg.model.name)
     options = registry.resolve_options(module, dict(cfg.model.options), "model.options")
     try:
-        return check_retraction(cfg, module.build(options, info, retraction=STIEFEL_RETRACTIONS[cfg.aggregation.retraction]))
+        model = check_retraction(cfg, module.build(options, info, retraction=STIEFEL_RETRACTIONS[cfg.aggregation.retraction]))
     except KeyError as exc:
         if not exc.args or exc.args[0] in info:
             raise
@@ -76,6 +101,7 @@ def build_model(cfg: Config, info: dict, given: Optional[GivenTask] = None) -> F
             f"needs {exc.args[0]!r} from the data, which data.source={cfg.data.source} does not describe; "
             "choose a model for this data (or another data.options.representation)",
         ) from None
+    return check_clip_shares(cfg, model)
 
 
 def build_scheme(cfg: Config) -> aggregation.AggregationScheme:
@@ -135,7 +161,7 @@ def local_plan(cfg: Config, privacy: PrivacyPlan) -> LocalPlan:
     fed = cfg.federation
     return LocalPlan(
         local_steps=fed.local_steps, batch_size=fed.batch_size, total_rounds=cfg.run.rounds,
-        mechanism=privacy.mechanism, noise_seed=privacy.noise_seed,
+        mechanism=privacy.mechanism, noise_seed=privacy.noise_seed, clip_shares=clip_shares(cfg),
     )
 
 

@@ -41,6 +41,11 @@ class ProjectorGradients:
         a = z @ params[GROUP]
         return (2.0 ** 0.5) * torch.linalg.vector_norm(a, dim=-1) * torch.linalg.vector_norm(z - a, dim=-1)
 
+    @classmethod
+    def group_tangent_norms(cls, params: Params, records: tuple[Tensor, ...]) -> Params:
+        """The one group's norms, ``{GROUP: (..., B)}``."""
+        return {GROUP: cls.tangent_norms(params, records)}
+
     @staticmethod
     def weighted_gradient(params: Params, records: tuple[Tensor, ...], weights: Tensor) -> Params:
         """``-sum_l w_l z_l z_l^T``, shape ``(..., d, d)``; records of weight 0 are left out exactly."""

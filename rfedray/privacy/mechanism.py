@@ -1,4 +1,4 @@
-"""The private local step's gradient: per-sample tangent gradients, joint clipping, ambient noise.
+"""The private local step's gradient: per-sample tangent gradients, joint or group-wise clipping, ambient noise.
 
 One private step of DP-RFedProj at ``theta`` on a minibatch ``b`` of ``B`` records drawn without
 replacement::
@@ -10,6 +10,8 @@ tangent space carries the ambient metric, so the clipped average moves by at mos
 record is replaced, whatever ``theta``; projecting the ambient noise is post-processing. Hence each
 step is ``C_q(G_mu0)``-DP with ``mu0 = 2C / (B sigma)`` and ``q = B / m``
 (:mod:`rfedray.privacy.accountants`), provided the batch is drawn by :func:`sample_batch`.
+Group-wise clipping (:class:`ClipShares`) clips each group to its own share of ``C`` instead, with the
+clipped record's norm still at most ``C``: the same bound, the same accounting.
 
 Only the privatised gradient leaves :func:`private_gradient`; per-sample gradients, norms and
 clipping decisions are never returned or stored.
@@ -17,7 +19,9 @@ clipping decisions are never returned or stored.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol, Sequence
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -35,7 +39,8 @@ class PerSampleRule(Protocol):
     """A model's closed-form algebra of per-record gradients (Opacus calls these grad samplers).
 
     The private step needs two things of the per-record gradients ``g_l = grad f(theta; z_l)``:
-    their tangent norms, to clip, and a weighted sum, to average. Since the tangent projection is
+    their tangent norms (joint, or per group for group-wise clipping), to clip, and a weighted sum,
+    to average. Since the tangent projection is
     linear, ``sum_l s_l P g_l = P (sum_l s_l g_l)``, so a model whose gradients have structure (a
     rank-one ``g_l = -z_l z_l^T`` for federated PCA) can give both without materialising ``B``
     gradients. :func:`private_gradient_with_noise` then equals the generic ``vmap(grad)`` path to
@@ -49,9 +54,98 @@ class PerSampleRule(Protocol):
     def tangent_norms(self, params: Params, records: tuple[Tensor, ...]) -> Tensor:
         """``||P_theta g_l||`` joint over the groups, shape ``(..., B)``."""
 
+    def group_tangent_norms(self, params: Params, records: tuple[Tensor, ...]) -> Params:
+        """``||P_theta g_l||`` of each group on its own, ``{g: (..., B)}`` (for :class:`ClipShares`)."""
+
     def weighted_gradient(self, params: Params, records: tuple[Tensor, ...], weights: Tensor) -> Params:
         """``sum_l w_l g_l`` (ambient, not projected), ``{g: (..., *shape_g)}``; ``weights`` has shape
         ``(..., B)`` and a record with weight 0 contributes exactly 0, even if its values are not finite."""
+
+
+@dataclass(frozen=True)
+class ClipShares:
+    """Group-wise clipping: each parameter group's tangent gradient clipped to its own share of ``C``.
+
+    With shares ``s_g`` in (0, 1], ``sum_g s_g^2 = 1``, record ``l``'s tangent coordinates ``c_{l,g}`` in
+    group ``g`` are clipped to ``C_g = s_g C``::
+
+        clip(c_l)_g = c_{l,g} min(1, s_g C / ||c_{l,g}||),
+        ||clip(c_l)||^2 = sum_g min(||c_{l,g}||, s_g C)^2 <= C^2 sum_g s_g^2 = C^2,
+
+    so a clipped record still has norm at most ``C`` and replacing one record moves the clipped mean
+    by at most ``2C/B``: the Gaussian step's sensitivity, hence its accounting and calibrated sigma,
+    are those of joint clipping at ``C``. What changes is how ``C`` is spent: a group whose records
+    have large gradients (an SPDNet's BiMap) no longer scales down the signal of a group with small
+    ones (its head). This is Opacus's per-layer clipping (``DPPerLayerOptimizer``, ``clipping=
+    "per_layer"`` with a list of per-layer ``max_grad_norm``, whose noise is calibrated to their
+    Euclidean norm), here with the per-group bounds given as shares of the run's ``C``.
+
+    Parameters
+    ----------
+    shares : tuple of (str, float)
+        ``((group, s_g), ...)`` naming every group once (a tuple, so that a plan holding it is
+        hashable); :meth:`of` builds it from a mapping.
+    """
+
+    shares: tuple[tuple[str, float], ...]
+
+    TOLERANCE = 1e-9
+    """How far ``sum_g s_g^2`` may be from 1 (rounding of shares written in decimal)."""
+
+    def __post_init__(self) -> None:
+        given = dict(self.shares)
+        if not given or len(given) != len(self.shares):
+            raise checks.PrivacyParameterError("clip_shares", given, "must name each parameter group once")
+        for group, share in given.items():
+            if not 0.0 < checks.real_number(f"clip_shares.{group}", share) <= 1.0:
+                raise checks.PrivacyParameterError(f"clip_shares.{group}", share, "must be in (0, 1]")
+        total = math.fsum(float(s) ** 2 for s in given.values())
+        if abs(total - 1.0) > self.TOLERANCE:
+            raise checks.PrivacyParameterError(
+                "clip_shares", given,
+                f"the squares of the shares must sum to 1 (within {self.TOLERANCE:g}; they sum to {total:.12g}), so that "
+                "a clipped record's norm is at most C",
+            )
+
+    @classmethod
+    def of(cls, shares: Mapping[str, float]) -> "ClipShares":
+        """From ``{group: s_g}``."""
+        return cls(tuple((str(g), float(s)) for g, s in shares.items()))
+
+    def check_groups(self, groups: Sequence[str]) -> None:
+        """Raise :class:`~rfedray.privacy.checks.PrivacyParameterError` (naming ``clip_shares``) unless
+        the shares name exactly the model's ``groups``."""
+        named = [g for g, _ in self.shares]
+        unknown = [g for g in named if g not in groups]
+        missing = [g for g in groups if g not in named]
+        if unknown or missing:
+            problem = f"unknown group {unknown[0]!r}" if unknown else f"no share for group {missing[0]!r}"
+            raise checks.PrivacyParameterError(
+                "clip_shares", dict(self.shares), f"{problem}; give a share to each of the model's groups: {', '.join(groups)}"
+            )
+
+    def bounds(self, clip: float) -> dict[str, float]:
+        """``{g: C_g = s_g C}``."""
+        return {g: s * clip for g, s in self.shares}
+
+    def scales(self, norms: Mapping[str, Tensor], clip: float) -> dict[str, Tensor]:
+        """Each record's clipping factor per group, ``min(1, C_g / ||c_{l,g}||)``, 0 for every group of a
+        record with a non-finite norm in any group (a valid clipped value).
+
+        Parameters
+        ----------
+        norms : dict of Tensor
+            ``{g: (..., B)}`` the per-record tangent norms of each group.
+        clip : float
+            ``C``.
+
+        Returns
+        -------
+        dict of Tensor
+            ``{g: (..., B)}``.
+        """
+        finite = torch.stack([torch.isfinite(n) for n in norms.values()]).all(0)
+        return {g: torch.where(finite, torch.clamp(c / norms[g], max=1.0), 0.0) for g, c in self.bounds(clip).items()}
 
 
 def noise_generator(seed: Optional[int], device: str | torch.device = "cpu", context: Sequence[int] = ()) -> SecureGenerator:
@@ -170,6 +264,7 @@ def private_gradient(
     sigma: float,
     generator: SecureGenerator,
     rule: Optional[PerSampleRule] = None,
+    shares: Optional[ClipShares] = None,
 ) -> Params:
     """The privatised tangent gradient of one step on a minibatch.
 
@@ -193,6 +288,9 @@ def private_gradient(
     rule : PerSampleRule or None
         The model's closed-form per-record gradients (its ``gradient_rule``); ``None``: by
         ``vmap(grad(loss_fn))``.
+    shares : ClipShares or None
+        Group-wise clipping, each group to its share of ``C`` (the same sensitivity); ``None``: joint
+        clipping at ``C``.
 
     Returns
     -------
@@ -206,7 +304,7 @@ def private_gradient(
     """
     return private_gradient_with_noise(
         loss_fn, params, product, records, clip=clip, sigma=sigma, noise=standard_noise(product, params, generator),
-        rule=rule,
+        rule=rule, shares=shares,
     )
 
 
@@ -220,6 +318,7 @@ def private_gradient_with_noise(
     sigma: float,
     noise: Params,
     rule: Optional[PerSampleRule] = None,
+    shares: Optional[ClipShares] = None,
 ) -> Params:
     """:func:`private_gradient` with its standard noise already drawn (by :func:`standard_noise`).
 
@@ -237,12 +336,15 @@ def private_gradient_with_noise(
 
         s_l = min(1, C / rule.tangent_norms_l),   g = P ( rule.weighted_gradient(s / B) + sigma xi ).
 
+    With ``shares`` (:class:`ClipShares`) each group's coordinates are clipped on their own, to
+    ``s_g C``: ``s_{l,g} = min(1, s_g C / ||c_{l,g}||)``.
+
     Nothing here draws random numbers, so the function can be vmapped over clients whose noise was
     drawn from their own generators.
 
     Parameters
     ----------
-    loss_fn, params, product, records, clip, sigma
+    loss_fn, params, product, records, clip, sigma, shares
         As in :func:`private_gradient`.
     noise : dict of Tensor
         ``{g: (*shape_g)}``, standard Gaussian ambient noise (float64, :func:`standard_noise`; it is
@@ -259,20 +361,29 @@ def private_gradient_with_noise(
     sigma = checks.positive("sigma", sigma)
     batch = _check_records(records)
     product.check_groups("noise", noise)
+    if shares is not None:
+        shares.check_groups(list(product.groups))
     if rule is not None:
-        return rule_gradient(rule, params, product, records, clip=clip, sigma=sigma, noise=noise, batch_size=batch)
+        return rule_gradient(rule, params, product, records, clip=clip, sigma=sigma, noise=noise, batch_size=batch,
+                             shares=shares)
     grads = per_sample_gradients(loss_fn, params, records)
     charts = {g: m.tangent_coordinates(params[g]) for g, m in product.groups.items()}
     coords = {g: charts[g].coordinates(grads[g]) for g in product.groups}
-    flat = torch.cat([c.flatten(1) for c in coords.values()], dim=1)  # (B, sum of the groups' coordinates)
-    norms = torch.linalg.vector_norm(flat, dim=1)
-    finite = torch.isfinite(norms)
-    scale = torch.where(finite, torch.clamp(clip / norms, max=1.0), 0.0) / batch
-    total = torch.tensordot(scale, torch.where(finite[:, None], flat, 0.0), dims=1)
-    parts = torch.split(total, [c[0].numel() for c in coords.values()])
+    if shares is None:
+        flat = torch.cat([c.flatten(1) for c in coords.values()], dim=1)  # (B, sum of the groups' coordinates)
+        norms = torch.linalg.vector_norm(flat, dim=1)
+        finite = torch.isfinite(norms)
+        scale = torch.where(finite, torch.clamp(clip / norms, max=1.0), 0.0) / batch
+        total = torch.tensordot(scale, torch.where(finite[:, None], flat, 0.0), dims=1)
+        parts = dict(zip(coords, torch.split(total, [c[0].numel() for c in coords.values()])))
+    else:
+        flats = {g: c.flatten(1) for g, c in coords.items()}  # {g: (B, the group's coordinates)}
+        scales = shares.scales({g: torch.linalg.vector_norm(f, dim=1) for g, f in flats.items()}, clip)
+        parts = {g: torch.tensordot(scales[g] / batch, torch.where(scales[g][:, None] != 0, f, 0.0), dims=1)
+                 for g, f in flats.items()}
     return {
         g: charts[g].vector(part.view(coords[g].shape[1:]) + charts[g].coordinates(scaled_noise(noise[g], sigma, part)))
-        for (g, part) in zip(coords, parts)
+        for g, part in parts.items()
     }
 
 
@@ -286,11 +397,15 @@ def rule_gradient(
     sigma: float,
     noise: Params,
     batch_size: int,
+    shares: Optional[ClipShares] = None,
 ) -> Params:
     """:func:`private_gradient_with_noise` through a model's :class:`PerSampleRule`, over any
     leading dimensions::
 
-        s_l = min(1, C / ||P g_l||) (0 if not finite),   g = P ( sum_l (s_l / B) g_l + sigma xi ).
+        s_l = min(1, C / ||P g_l||) (0 if not finite),   g = P ( sum_l (s_l / B) g_l + sigma xi ),
+
+    or, with ``shares``, group ``g``'s part of ``sum_l (s_{l,g} / B) g_l`` with
+    ``s_{l,g} = min(1, s_g C / ||P g_{l,g}||)`` (one weighted sum per group).
 
     Several clients' steps are one call with a leading client dimension on ``params``, ``records``
     and ``noise``, without ``vmap`` (:func:`rfedray.federated.client.train_together`); every operation computes each
@@ -309,15 +424,21 @@ def rule_gradient(
         ``{g: (..., *shape_g)}`` standard Gaussian (float64: scaled, then cast).
     batch_size : int
         ``B``.
+    shares : ClipShares or None
+        Group-wise clipping (checked against the groups by the caller); ``None``: joint.
 
     Returns
     -------
     dict of Tensor
         ``{g: (..., *shape_g)}``, tangent at ``params``.
     """
-    norms = rule.tangent_norms(params, records)
-    scale = torch.where(torch.isfinite(norms), torch.clamp(clip / norms, max=1.0), 0.0) / batch_size
-    total = rule.weighted_gradient(params, records, scale)
+    if shares is None:
+        norms = rule.tangent_norms(params, records)
+        scale = torch.where(torch.isfinite(norms), torch.clamp(clip / norms, max=1.0), 0.0) / batch_size
+        total = rule.weighted_gradient(params, records, scale)
+    else:
+        scales = shares.scales(rule.group_tangent_norms(params, records), clip)
+        total = {g: rule.weighted_gradient(params, records, scales[g] / batch_size)[g] for g in product.groups}
     return product.proj_tangent(params, {g: total[g] + scaled_noise(noise[g], sigma, total[g]) for g in product.groups})
 
 
