@@ -130,7 +130,7 @@ SEARCH_SEED0 = 1000
 
 GRIDS: dict[str, list[Candidate]] = {
     "spdnet": Candidate.grid(
-        optim__head__lr=(1.0, 3.0),
+        optim__head__lr=(0.1, 0.3),
         optim__bimap__lr=(0.003,),
         privacy__clip=(1.0, 2.0),
         federation__local_steps=(5,),
@@ -144,9 +144,11 @@ GRIDS: dict[str, list[Candidate]] = {
     ),
 }
 """The candidates of every search. SPDNet (BiMap at the C3/C4 Laplacians, scale-free features of
-norm about 0.4): the head's step size, and a clip at or above the median joint per-record tangent
-norm (about 2 at the start, 1.9 of it the BiMap's); the BiMap's step size stays small (it starts at
-the public filters). EEGNet has its own, smaller grid: its private step costs about 60 times SPDNet's."""
+norm about 0.4, group-wise clipping with the configuration's shares, head 0.7 and BiMap 0.71 of C):
+the head's step size (0.1 and 0.3 were the best on validation with these shares,
+docs/results/eeg-physionet/analysis.md), and a clip at or above the median per-record tangent norm
+(about 2 at the start, 1.9 of it the BiMap's); the BiMap's step size stays small (it starts at the
+public filters). EEGNet has its own, smaller grid: its private step costs about 60 times SPDNet's."""
 
 
 def run_unique(jobs: dict[tuple, list[str]], out: Path, workers: Optional[int]) -> dict[tuple, dict]:
@@ -387,7 +389,8 @@ def signal_and_noise(run_dir: str) -> dict[str, Any]:
     """What a private run's steps carry: the signal against the noise, at the start and the end.
 
     The signal is the norm of the mean clipped tangent gradient over every client's training
-    records (what an aggregated step moves towards, without noise), per parameter group; the noise
+    records (what an aggregated step moves towards, without noise; clipped as the run clips, jointly
+    or by ``privacy.clip_shares``), per parameter group; the noise
     is that of the cohort's averaged step, ``sigma sqrt(dim / k)`` per group (``dim`` the intrinsic
     dimension, that of the tangent space the noise is projected on; ``k`` the cohort). Over ``S = T tau`` steps the signal adds up as ``S`` and the noise
     as ``sqrt(S)``, so ``snr_run = signal sqrt(S k / dim) / sigma``.
@@ -397,7 +400,7 @@ def signal_and_noise(run_dir: str) -> dict[str, Any]:
 
     from rfedray.config import load_config
     from rfedray.federated.rundir import RunDirectory
-    from rfedray.federated.setup import build_dataset, build_model, initial_params
+    from rfedray.federated.setup import build_dataset, build_model, clip_shares, initial_params
 
     cfg = load_config(Path(run_dir) / "config.yaml")
     dataset = build_dataset(cfg)
@@ -413,9 +416,11 @@ def signal_and_noise(run_dir: str) -> dict[str, Any]:
         per_record = vmap(grad(model.per_sample_loss), in_dims=(None, 0, 0))(params, x, y)
         coords = {g: m.tangent_coordinates(params[g]).coordinates(per_record[g]).flatten(1) for g, m in model.groups.items()}
         norms = torch.sqrt(sum(c.pow(2).sum(1) for c in coords.values()))
-        scale = torch.clamp(clip / norms, max=1.0)
+        shares = clip_shares(cfg)
+        scales = ({g: torch.clamp(clip / norms, max=1.0) for g in coords} if shares is None
+                  else shares.scales({g: c.norm(dim=1) for g, c in coords.items()}, clip))
         for g, c in coords.items():
-            signal = float((c * scale[:, None]).mean(0).norm())
+            signal = float((c * scales[g][:, None]).mean(0).norm())
             noise = sigma * math.sqrt(model.groups[g].dim / k)
             found[f"{name}: {g} signal"] = signal
             found[f"{name}: {g} noise per step"] = noise
