@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import ray
 import torch
-from test_ray_engine import start_test_ray
 
 import rfedray
 from rfedray.cli import main
@@ -163,7 +162,8 @@ def marked(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_instance():
-    start_test_ray()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2, log_to_driver=False,
+             logging_level=logging.WARNING)
     yield
     ray.shutdown()
 
