@@ -7,8 +7,7 @@ store. The clients of the cohort it hosts are trained together, one set of kerne
 (:func:`rfedray.federated.client.train_together`), with the results of training them one by one. Its only
 training method returns, per client, a
 :class:`~rfedray.federated.client.LocalResult` (submission, optimiser state, train seconds: all
-privatised) or a :class:`~rfedray.federated.client.ClientFailure`; its evaluation method sends
-the secret shares of its clients' test metrics to the aggregators (:mod:`rfedray.federated.evaluation`).
+privatised) or a :class:`~rfedray.federated.client.ClientFailure`.
 
 The clients of the core are stateless between rounds (optimiser state comes back with each result
 and is kept by the server side; randomness is a function of ``(noise_seed, client, round)`` or OS
@@ -181,12 +180,6 @@ class ClientActor:
                 r = LocalResult(to_device(r.submission, cpu), to_device(r.optimizer_state, cpu), r.train_seconds)
             results[cid] = r
         return results
-
-    def evaluate(self, task, theta: dict[str, torch.Tensor], round_index: int) -> dict[int, Any]:
-        """``task`` (:class:`~rfedray.federated.evaluation.EvaluationTask`) on every client hosted
-        here, each on its own test split: per client what the task answers (its metrics' names; the
-        values leave as secret shares only) or a ClientFailure."""
-        return self._executor.evaluate_clients(task, to_device(theta, self.device), round_index, self.client_ids)
 
     def describe(self) -> dict[str, Any]:
         """Where this actor runs: process, node, torch device and threads, hosted client ids."""

@@ -22,7 +22,7 @@ def test_a_config_reads_the_same_from_a_file_a_name_a_dict_and_overrides(tmp_pat
     overrides = ("run.rounds=7", "federation.n_clients=12")
     from_file = rfedray.load(ROOT / "configs" / "fedpca.yaml", *overrides)
     from_name = rfedray.load("fedpca", *overrides)
-    from_dict = rfedray.load({"run": {"rounds": 7, "test_set": "server"}, "federation": {"n_clients": 12}, "model": {"options": {"manifold": "grassmann"}},
+    from_dict = rfedray.load({"run": {"rounds": 7}, "federation": {"n_clients": 12}, "model": {"options": {"manifold": "grassmann"}},
                               "data": {"options": {"d": 40, "p": 4, "records_per_client": 2000}}})
     assert to_yaml(from_file) == to_yaml(from_name) == to_yaml(rfedray.load(from_dict)) == to_yaml(from_dict)
     with pytest.raises(ConfigError, match=r"federation.clients_per_round=5: must be between 1 and federation.n_clients \(3\)"):
@@ -61,7 +61,7 @@ def linear_model():
 
 RUN = ["federation.n_clients=3", "federation.clients_per_round=3", "federation.local_steps=5", "federation.batch_size=10",
        "run.rounds=6", "privacy.epsilon=10", "privacy.clip=5.0", "optim.default.name=sgd", "optim.default.lr=0.3",
-       "monitoring.progress=false", "run.test_set=server"]  # Lines' eval_data: a test set the server holds
+       "monitoring.progress=false"]
 
 
 def test_a_client_holding_other_than_its_declared_size_never_trains(tmp_path, caplog):

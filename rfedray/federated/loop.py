@@ -8,9 +8,8 @@ One round t:
 3. the executor runs the cohort's local training from theta_t;
 4. the server checks and combines the submissions into theta_{t+1} (theta_t stays if none is
    usable);
-5. evaluate (every ``run.evaluate_every`` rounds, on the clients' test splits or the server's test
-   set: :mod:`rfedray.federated.evaluation`), log a line to ``metrics.jsonl``, notify observers
-   (progress, Prometheus), and checkpoint every ``run.checkpoint_every`` rounds. Metrics of an oracle (evaluation data computed
+5. evaluate, log a line to ``metrics.jsonl``, notify observers (progress, Prometheus), and
+   checkpoint every ``run.checkpoint_every`` rounds. Metrics of an oracle (evaluation data computed
    from the training records, :attr:`rfedray.task.EvalData.oracle`) are named ``oracle_*`` and
    reach the observers only with ``monitoring.export_oracle_metrics``.
 """
@@ -24,7 +23,6 @@ from typing import Any, Callable, Optional, Protocol
 
 from rfedray.config import Config, to_yaml
 from rfedray.federated.client import LocalResult
-from rfedray.federated.evaluation import TEST_SETS
 from rfedray.federated.executor import Executor
 from rfedray.federated.resume import Checkpoints, RunState, WriteAheadLedger, accounting_fingerprint
 from rfedray.federated.rundir import RunDirectory
@@ -109,8 +107,8 @@ class Federation:
         seeded = cfg.privacy.noise_seed is not None
         if seeded and self.privacy.private:
             log.warning("privacy.noise_seed is set: reproducible noise, NOT FOR PRODUCTION")
-        # Load every piece of data the server holds before the run directory is touched: a bad input fails here.
-        evaluation = TEST_SETS[cfg.run.test_set](self, executor)
+        # Load every piece of data before the run directory is touched: a bad input fails here.
+        eval_data = self.dataset.eval_data()
         state = self._start_state(checkpoints, ledger, resume)
         theta: Params = state.theta
         start_round: int = state.round
@@ -141,11 +139,8 @@ class Federation:
                 log.warning("round %d: submission rejected: %s", t, r.reason)
             counters["client_failures"] += len(failures)
             counters["submissions_rejected"] += len(rejected)
-            evaluated = {}
-            if (t + 1) % cfg.run.evaluate_every == 0 or t + 1 == cfg.run.rounds:
-                outcome = evaluation.evaluate(theta, t)
-                last_metrics = last_metrics if outcome.metrics is None else outcome.metrics
-                evaluated = outcome.fields
+            if eval_data.tensors and ((t + 1) % cfg.run.evaluate_every == 0 or t + 1 == cfg.run.rounds):
+                last_metrics = eval_data.labelled(self.model.evaluate(theta, eval_data))
             record = {
                 "round": t,
                 "cohort_size": len(chosen),
@@ -157,7 +152,6 @@ class Federation:
                 "round_seconds": time.perf_counter() - round_start,
                 "aggregation_seconds": agg_seconds,
                 "local_train_seconds": sorted(r.train_seconds for r in answered.values()),  # no client order
-                **evaluated,
                 **{f"metric_{k}": v for k, v in last_metrics.items()},
             }
             rd.append_metrics(record)
@@ -187,7 +181,7 @@ class Federation:
             "halted": halted,
             "halt_reason": halt_reason,
             "final_metrics": last_metrics,
-            "oracle_metrics": evaluation.oracle,
+            "oracle_metrics": eval_data.oracle,
             "client_failures": counters["client_failures"],
             "submissions_rejected": counters["submissions_rejected"],
             "wall_seconds": time.perf_counter() - started,
