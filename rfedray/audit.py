@@ -108,9 +108,8 @@ LOWER_SHARE = 0.8
 
 
 class TrialLedger:
-    """The ledger of one audit trial, charged as the federation loop charges a run's ledger
-    (``authorize(cohort, count, round)``, the round naming the charge in a run's charge log); a
-    trial is never resumed, so nothing is written: every other attribute is the ledger's."""
+    """The ledger of one audit trial: a trial is never resumed, so its start writes no files;
+    every other attribute is the ledger's."""
 
     def __init__(self, ledger):
         self.ledger = ledger
@@ -118,9 +117,6 @@ class TrialLedger:
     def start(self):
         """A new trial: its empty ledger's state (for the checkpoint of round 0), no files."""
         return self.ledger.state_dict()
-
-    def authorize(self, cohort, count=1, round=None):
-        return self.ledger.authorize(cohort, count)
 
     def __getattr__(self, name):
         return getattr(self.ledger, name)

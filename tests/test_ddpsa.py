@@ -1,8 +1,5 @@
 """DDP-SA(-adaptive): Laplace accountant, layer-wise clipping policies, the federation with secure sums."""
 
-import math
-
-import numpy as np
 import pytest
 import torch
 from dp_accounting.pld import privacy_loss_distribution

@@ -98,7 +98,7 @@ def test_every_kind_of_garbage_is_refused_with_a_reason(kind):
 def test_garbage_client_is_rejected_counted_and_the_round_goes_on(tmp_path, caplog):
     from rfedray.geometry import Grassmann
 
-    with caplog.at_level(logging.WARNING, logger="rfedray.federated.loop"):
+    with caplog.at_level(logging.WARNING, logger="rfedray.federated.rounds"):
         fed, rd, summary, executor, metrics = run_with_garbage(tmp_path)
     sent = executor.sent
     assert len(sent) >= len(KINDS) // 2 and summary["rounds_completed"] == 16

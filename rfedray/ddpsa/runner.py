@@ -1,6 +1,6 @@
 """A DDP-SA federation: private client steps, secret-shared updates, server steps on the sum only.
 
-Round ``t``:
+Round ``t`` (on the federation loop, :mod:`rfedray.federated.rounds`; :class:`DDPSARound`):
 
 1. the cohort is drawn; the ledger (Laplace accountant) is charged for one step of every member
    (write-ahead); a round that would pass the target epsilon is not run;
@@ -27,7 +27,7 @@ import torch
 from rfedray.ddpsa.mechanism import ClipPolicy, ddpsa_step, layers_of
 from rfedray.ddpsa.secure_aggregation import AggregatorGroup, FixedPointCodec, collect_sum, send_update
 from rfedray.federated.client import ClientFailure, round_generator
-from rfedray.federated.server import cohort as draw_cohort
+from rfedray.federated.rounds import run_rounds
 from rfedray.federated.engine import Engine, HostedClient
 from rfedray.mestimation.local import ParamLayout, StepPlan
 from rfedray.privacy.statement import statement
@@ -60,6 +60,46 @@ class DDPSATask:
             share_rng = np.random.default_rng(np.random.SeedSequence(self.plan.noise_seed, spawn_key=(0x5A, client.client_id, round_index)))
         send_update(self.aggregators, self.codec, round_index, client.client_id, vector, share_rng)
         return {"clips": release.clips, "noise_scales": release.noise_scales, **release.diagnostics}
+
+
+class DDPSARound:
+    """A DDP-SA round (a :class:`~rfedray.federated.rounds.Strategy`): every client of the cohort
+    runs :class:`DDPSATask` on the engine (one step, secret-shared to the aggregators); the server
+    steps ``theta <- theta - lr * sum / |P|`` on the secure sum, evaluates, and ends the run once
+    the test loss has not improved by a relative ``min_delta`` for ``patience`` rounds.
+    """
+
+    def __init__(self, task: DDPSATask, engine: Engine, model: FederatedModel, eval_data, lr: float,
+                 min_clients: int, patience: int, min_delta: float):
+        self.task, self.engine, self.model, self.eval_data, self.lr = task, engine, model, eval_data, lr
+        self.min_clients, self.patience, self.min_delta = min_clients, patience, min_delta
+        self.best, self.since_best = float("inf"), 0
+
+    def participations(self, t: int) -> int:
+        return 1
+
+    def round(self, chosen: list[int], theta: Params, t: int) -> tuple[Params, dict]:
+        receipts = self.engine.run(chosen, self.task, theta, t)
+        secure = collect_sum(self.task.aggregators, self.task.codec, t, self.min_clients)
+        if secure.total is not None:
+            layout = ParamLayout.of(theta)
+            mean = layout.unflatten(torch.as_tensor(secure.total / len(secure.participants), dtype=layout_dtype(theta)))
+            theta = {k: theta[k] - self.lr * mean[k] for k in theta}
+        answered = [r for r in receipts.values() if not isinstance(r, ClientFailure)]
+        return theta, {
+            "covered": self.task.policy.covered, "participants": len(secure.participants),
+            "dropped": len(secure.dropped), "failed": len(chosen) - len(answered), "aggregated": secure.total is not None,
+            "mean_clip": _mean_over(answered, "clips"), "mean_noise_scale": _mean_over(answered, "noise_scales"),
+            **self.model.evaluate(theta, self.eval_data),
+        }
+
+    def stop(self, record: dict) -> bool:
+        """Early stopping: ``patience`` rounds without a relative improvement of ``min_delta`` in the test loss."""
+        if record["loss"] < self.best * (1 - self.min_delta):
+            self.best, self.since_best = record["loss"], 0
+        else:
+            self.since_best += 1
+        return self.since_best >= self.patience
 
 
 def step_ratio(policy: ClipPolicy, num_layers: int, noise_multiplier: float) -> float:
@@ -137,7 +177,6 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
                     "unprivatised functions of the records that the run releases; its epsilon is nominal "
                     "(use ddpsa.clipping=private_quantile)", policy.name)
     theta = model.init_params(torch.Generator().manual_seed(seed * 7919 + 17))
-    layout = ParamLayout.of(theta)
     num_layers = len(layers_of(theta))
     private = epsilon is not None or noise_multiplier is not None
     mechanism = None
@@ -148,42 +187,17 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
         mechanism = LaplaceMechanism(step_ratio(policy, num_layers, noise_multiplier), batch_size)
     ledger = PrivacyPlan(mechanism, "laplace", delta, epsilon, local_steps=1, noise_seed=noise_seed).ledger(sizes)
     task = DDPSATask(StepPlan(batch_size, 1.0, noise_multiplier, noise_seed), policy, codec, aggregators)
-    eval_data = dataset.eval_data()
+    round_ = DDPSARound(task, engine, model, dataset.eval_data(), lr, min_clients, patience, min_delta)
     history: list[dict] = []
-    best, since_best, halted, halt_reason, stopped_early = float("inf"), 0, False, "", False
-    started = time.perf_counter()
-    for t in range(rounds):
-        round_start = time.perf_counter()
-        chosen = draw_cohort(seed, t, n, clients_per_round)
-        auth = ledger.authorize(chosen)
-        if not auth.granted:
-            halted, halt_reason = True, auth.reason
-            break
-        receipts = engine.run(chosen, task, theta, t)
-        secure = collect_sum(aggregators, codec, t, min_clients)
-        if secure.total is not None:
-            mean = layout.unflatten(torch.as_tensor(secure.total / len(secure.participants), dtype=layout_dtype(theta)))
-            theta = {k: theta[k] - lr * mean[k] for k in theta}
-        answered = [r for r in receipts.values() if not isinstance(r, ClientFailure)]
-        metrics = model.evaluate(theta, eval_data)
-        record = {
-            "round": t, "covered": policy.covered, "participants": len(secure.participants), "dropped": len(secure.dropped),
-            "failed": len(chosen) - len(answered), "aggregated": secure.total is not None,
-            "epsilon_spent": auth.epsilon_after,
-            "round_seconds": time.perf_counter() - round_start,
-            "mean_clip": _mean_over(answered, "clips"), "mean_noise_scale": _mean_over(answered, "noise_scales"),
-            **metrics,
-        }
+
+    def finish(record: dict, theta: Params, auth) -> None:
         history.append(record)
         if on_round is not None:
             on_round(record)
-        if metrics["loss"] < best * (1 - min_delta):
-            best, since_best = metrics["loss"], 0
-        else:
-            since_best += 1
-            if since_best >= patience:
-                stopped_early = True
-                break
+
+    started = time.perf_counter()
+    outcome = run_rounds(round_, ledger, theta, first=0, last=rounds, seed=seed, n_clients=n,
+                         clients_per_round=clients_per_round, on_round=finish)
     wall = time.perf_counter() - started
     last = history[-1] if history else {}
     summary = {
@@ -191,8 +205,8 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
         "covered": policy.covered,
         "guarantee": "covered" if policy.covered else
                      "NOT covered: clip thresholds are unprivatised medians of the records; epsilon is nominal",
-        "rounds_completed": len(history), "rounds_planned": rounds, "stopped_early": stopped_early,
-        "halted": halted, "halt_reason": halt_reason,
+        "rounds_completed": outcome.rounds_completed, "rounds_planned": rounds,
+        "stopped_early": outcome.stopped_early, "halted": outcome.halted, "halt_reason": outcome.halt_reason,
         "noise_multiplier": noise_multiplier, "epsilon_target": epsilon, "delta": delta if private else None,
         "epsilon_spent": ledger.epsilon_spent(), "accountant": "laplace" if private else None,
         "not_for_production": private and noise_seed is not None,
@@ -202,7 +216,7 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
         "secure_aggregation": {"aggregators": aggregators.num_aggregators, "frac_bits": codec.frac_bits,
                                "max_parties": codec.max_parties, "min_clients": min_clients},
     }
-    return {"history": history, "summary": summary, "theta": theta}
+    return {"history": history, "summary": summary, "theta": outcome.theta}
 
 
 def layout_dtype(theta: Params) -> torch.dtype:

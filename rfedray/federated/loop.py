@@ -1,15 +1,9 @@
-"""The federation loop of DP-RFedProj, the same for every engine.
+"""A DP-RFedProj run, the same for every engine: its task, privacy plan and run directory around
+the federation loop (Algorithm 1, :mod:`rfedray.federated.rounds`).
 
-One round t:
-
-1. draw the cohort S_t (k of n, without replacement);
-2. charge the privacy ledger for every client of S_t and persist it (write-ahead): if a client would
-   pass the target epsilon, nothing is charged and the run halts;
-3. the executor runs the cohort's local training from theta_t;
-4. the server checks and combines the submissions into theta_{t+1} (theta_t stays if none is
-   usable);
-5. evaluate, log a line to ``metrics.jsonl``, notify observers (progress, Prometheus), and
-   checkpoint every ``run.checkpoint_every`` rounds. Metrics of an oracle (evaluation data computed
+After every round, :meth:`Federation.run` logs a line to ``metrics.jsonl``, notifies observers
+(progress, Prometheus) and checkpoints every ``run.checkpoint_every`` rounds (resume:
+:mod:`rfedray.federated.resume`). Metrics of an oracle (evaluation data computed
    from the training records, :attr:`rfedray.task.EvalData.oracle`) are named ``oracle_*`` and
    reach the observers only with ``monitoring.export_oracle_metrics``.
 """
@@ -22,11 +16,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
 from rfedray.config import Config, to_yaml
-from rfedray.federated.client import LocalResult
 from rfedray.federated.executor import Executor
 from rfedray.federated.resume import Checkpoints, RunState, WriteAheadLedger, accounting_fingerprint
 from rfedray.federated.rundir import RunDirectory
-from rfedray.federated.server import Server, cohort
+from rfedray.federated.rounds import DPRFedProj, run_rounds
+from rfedray.federated.server import Server
 from rfedray.federated.setup import (
     GivenTask, build_dataset, build_model, build_scheme, check_client_sizes, initial_params, local_plan,
     resolve_privacy,
@@ -103,71 +97,34 @@ class Federation:
         cfg, rd = self.cfg, self.run_dir
         checkpoints = self.checkpoints()
         ledger = self.ledger_factory() if self.ledger_factory is not None else self.write_ahead_ledger()
-        server = self._server()
         seeded = cfg.privacy.noise_seed is not None
         if seeded and self.privacy.private:
             log.warning("privacy.noise_seed is set: reproducible noise, NOT FOR PRODUCTION")
         # Load every piece of data before the run directory is touched: a bad input fails here.
         eval_data = self.dataset.eval_data()
-        state = self._start_state(checkpoints, ledger, resume)
-        theta: Params = state.theta
-        start_round: int = state.round
-        opt_states: dict[int, dict] = state.optimizer_states
-        counters = state.counters
-        halted, halt_reason = False, ""
-        last_metrics: dict[str, float] = state.last_metrics
-        started = time.perf_counter()
-        t = start_round
-        for t in range(start_round, cfg.run.rounds):
-            round_start = time.perf_counter()
-            chosen = cohort(cfg.run.seed, t, cfg.federation.n_clients, cfg.federation.clients_per_round)
-            auth = ledger.authorize(chosen, 1, t)  # persisted (write-ahead) before it returns
-            if not auth.granted:
-                halted, halt_reason = True, auth.reason
-                break
-            results = executor.train(chosen, theta, t, opt_states)
-            answered = {cid: r for cid, r in results.items() if isinstance(r, LocalResult)}
-            failures = [cid for cid in chosen if not isinstance(results.get(cid), LocalResult)]
-            agg_start = time.perf_counter()
-            theta, rejected = server.aggregate(theta, {cid: r.submission for cid, r in answered.items()})
-            agg_seconds = time.perf_counter() - agg_start
-            rejected_ids = {r.client_id for r in rejected}
-            for cid, r in answered.items():
-                if cid not in rejected_ids:
-                    opt_states[cid] = r.optimizer_state
-            for r in rejected:
-                log.warning("round %d: submission rejected: %s", t, r.reason)
-            counters["client_failures"] += len(failures)
-            counters["submissions_rejected"] += len(rejected)
-            if eval_data.tensors and ((t + 1) % cfg.run.evaluate_every == 0 or t + 1 == cfg.run.rounds):
-                last_metrics = eval_data.labelled(self.model.evaluate(theta, eval_data))
-            record = {
-                "round": t,
-                "cohort_size": len(chosen),
-                "answered": len(answered) - len(rejected_ids & set(answered)),
-                "failed": len(failures),
-                "rejected": len(rejected),
-                "epsilon_spent": auth.epsilon_after,
-                "ledger_charges": auth.state["charges"] if auth.state is not None else None,
-                "round_seconds": time.perf_counter() - round_start,
-                "aggregation_seconds": agg_seconds,
-                "local_train_seconds": sorted(r.train_seconds for r in answered.values()),  # no client order
-                **{f"metric_{k}": v for k, v in last_metrics.items()},
-            }
+        state = checkpoints.resume(ledger) if resume else self._start(checkpoints, ledger)
+        strategy = DPRFedProj(executor, self._server(), self.model, eval_data, cfg, state)
+
+        def finish(record: dict, theta: Params, auth) -> None:
+            record["ledger_charges"] = auth.state["charges"] if auth.state is not None else None
             rd.append_metrics(record)
             exported = record if cfg.monitoring.export_oracle_metrics else without_oracle_metrics(record)
             for obs in self.observers:
                 obs.on_round(exported)
-            if (t + 1) % cfg.run.checkpoint_every == 0 or t + 1 == cfg.run.rounds or rd.out_of_space():
-                checkpoints.save(RunState(theta, t + 1, opt_states, counters, last_metrics), auth.state)
-        else:
-            t = cfg.run.rounds
-        rounds_completed = t
+            done = record["round"] + 1
+            if done % cfg.run.checkpoint_every == 0 or done == cfg.run.rounds or rd.out_of_space():
+                checkpoints.save(RunState(theta, done, strategy.opt_states, strategy.counters, strategy.last_metrics),
+                                 auth.state)
+
+        started = time.perf_counter()
+        fed = cfg.federation
+        outcome = run_rounds(strategy, ledger, state.theta, first=state.round, last=cfg.run.rounds, seed=cfg.run.seed,
+                             n_clients=fed.n_clients, clients_per_round=fed.clients_per_round, on_round=finish)
         private = self.privacy.private
         summary = {
             "run_id": rd.run_id,
             "engine": cfg.run.engine,
-            "rounds_completed": rounds_completed,
+            "rounds_completed": outcome.rounds_completed,
             "rounds_planned": cfg.run.rounds,
             "epsilon_spent": ledger.epsilon_spent(),
             "epsilon_target": cfg.privacy.epsilon if private else None,
@@ -178,15 +135,15 @@ class Federation:
             "private": private,
             **(statement() if private else {}),
             "not_for_production": seeded,
-            "halted": halted,
-            "halt_reason": halt_reason,
-            "final_metrics": last_metrics,
+            "halted": outcome.halted,
+            "halt_reason": outcome.halt_reason,
+            "final_metrics": strategy.last_metrics,
             "oracle_metrics": eval_data.oracle,
-            "client_failures": counters["client_failures"],
-            "submissions_rejected": counters["submissions_rejected"],
+            "client_failures": strategy.counters["client_failures"],
+            "submissions_rejected": strategy.counters["submissions_rejected"],
             "wall_seconds": time.perf_counter() - started,
         }
-        rd.write_model(theta)
+        rd.write_model(outcome.theta)
         rd.write_json("summary.json", summary)
         rd.drop_reserve()
         for obs in self.observers:
@@ -203,18 +160,13 @@ class Federation:
         :meth:`Checkpoints.check`); an engine that starts other processes (Ray) calls it first."""
         return self.checkpoints().check(self.make_ledger())
 
-    def _start_state(self, checkpoints: Checkpoints, ledger, resume: bool) -> RunState:
-        if resume:
-            return checkpoints.resume(ledger)
+    def _start(self, checkpoints: Checkpoints, ledger) -> RunState:
+        """A new run: ``config.yaml``, then the ledger's files and the checkpoint of round 0."""
         # The saved config carries the resolved sigma, so a resume (even one that extends
         # run.rounds) keeps the mechanism the ledger was charged for.
         resolved = replace(self.cfg, privacy=replace(self.cfg.privacy, sigma=self.privacy.sigma))
         self.run_dir.write_bytes("config.yaml", to_yaml(resolved).encode())
-        # The empty ledger's files and the checkpoint of round 0, before anything is charged: a run
-        # stopped at any point, even in its first round, can be resumed.
-        state = RunState(initial_params(self.cfg, self.model))
-        checkpoints.save(state, ledger.start())
-        return state
+        return checkpoints.start(initial_params(self.cfg, self.model), ledger)
 
 
 def without_oracle_metrics(record: dict) -> dict:

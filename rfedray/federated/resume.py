@@ -120,6 +120,14 @@ class Checkpoints:
         self.run_dir, self.fingerprint, self.rounds = run_dir, fingerprint, rounds
         self.shapes = {k: tuple(v.shape) for k, v in initial.items()}
 
+    def start(self, initial: Params, ledger) -> RunState:
+        """A new run: the ledger's files (its empty ledger, :meth:`WriteAheadLedger.start`) and the
+        checkpoint of round 0, before anything is charged, so that a run stopped at any point, even
+        in its first round, can be resumed."""
+        state = RunState(initial)
+        self.save(state, ledger.start())
+        return state
+
     def save(self, state: RunState, ledger: Optional[dict]) -> None:
         """Write ``checkpoint.pt`` for ``state`` (after round ``state.round - 1``) with ``ledger``,
         the ledger's state after that round's charge (None when not private), then keep room for

@@ -14,8 +14,6 @@ import argparse
 import json
 import sys
 
-import torch
-
 
 def _build_task(cfg):
     """The run's dataset, model and engine: every client in this process, or on ``run.num_hosts``

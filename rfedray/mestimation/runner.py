@@ -1,4 +1,5 @@
-"""Run one M-estimation strategy: calibrate the noise, charge the ledger, drive the rounds.
+"""Run one M-estimation strategy: calibrate the noise, then its rounds on the federation loop
+(:mod:`rfedray.federated.rounds`; :class:`MEstimationRound`).
 
 Every participant of round ``t`` releases ``strategy.steps(t)`` private steps, each the same
 Gaussian mechanism (noise multiplier ``z``, minibatch ``B`` of its ``m`` records; a Newton step is
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from rfedray.federated.client import ClientFailure
-from rfedray.federated.server import cohort as draw_cohort
+from rfedray.federated.rounds import run_rounds
 from rfedray.federated.engine import Engine
 from rfedray.mestimation.local import ParamLayout, StepPlan
 from rfedray.mestimation.strategies import FedNewton, Strategy
@@ -111,6 +112,50 @@ def relative_error(theta: Params, reference: Params) -> float:
     return math.sqrt(num / den) if den > 0 else math.sqrt(num)
 
 
+class MEstimationRound:
+    """A round of an M-estimation strategy (a :class:`~rfedray.federated.rounds.Strategy`): every
+    client of the cohort runs the strategy's task (``strategy.steps(t)`` private steps) on the
+    engine, and the strategy combines the finite answers; evaluated every ``evaluate_every`` rounds.
+
+    Parameters
+    ----------
+    strategy : Strategy
+        FedSGD, FedAvg, FedHybrid or FedNewton.
+    engine : Engine
+    plan : StepPlan
+    model, eval_data
+    reference : dict of Tensor or None
+        Adds ``oracle_error`` to every evaluated round.
+    evaluate_every, rounds : int
+    """
+
+    def __init__(self, strategy: Strategy, engine: Engine, plan: StepPlan, model: FederatedModel, eval_data,
+                 reference: Optional[Params], evaluate_every: int, rounds: int):
+        self.strategy, self.engine, self.plan, self.model, self.eval_data = strategy, engine, plan, model, eval_data
+        self.reference, self.evaluate_every, self.rounds = reference, evaluate_every, rounds
+        self.failures = 0
+
+    def participations(self, t: int) -> int:
+        return self.strategy.steps(t)
+
+    def round(self, chosen: list[int], theta: Params, t: int) -> tuple[Params, dict]:
+        results = self.engine.run(chosen, self.strategy.task(self.plan, t), theta, t)
+        usable = [r for r in results.values()
+                  if not isinstance(r, ClientFailure) and all(bool(torch.isfinite(v).all()) for v in r.values())]
+        self.failures += len(chosen) - len(usable)
+        if usable:
+            theta = self.strategy.aggregate(theta, usable, t)
+        report = {"answered": len(usable), "steps": self.strategy.steps(t)}
+        if (t + 1) % self.evaluate_every == 0 or t + 1 == self.rounds:
+            report.update(self.eval_data.labelled(self.model.evaluate(theta, self.eval_data)))
+            if self.reference is not None:
+                report["oracle_error"] = relative_error(theta, self.reference)
+        return theta, report
+
+    def stop(self, record: dict) -> bool:
+        return False
+
+
 def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, dataset: FederatedDataset, *,
                  rounds: int, clients_per_round: int, batch_size: int, privacy: PrivacySpec, seed: int = 0,
                  reference: Optional[Params] = None, evaluate_every: int = 1,
@@ -153,46 +198,30 @@ def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, data
     plan = StepPlan(batch_size, privacy.clip, noise_multiplier, privacy.noise_seed)
     eval_data = dataset.eval_data()
     history: list[dict] = []
-    halted, halt_reason, failures = False, "", 0
-    started = time.perf_counter()
-    completed = 0
-    for t in range(rounds):
-        round_start = time.perf_counter()
-        chosen = draw_cohort(seed, t, n, clients_per_round)
-        auth = ledger.authorize(chosen, strategy.steps(t))
-        if not auth.granted:
-            halted, halt_reason = True, auth.reason
-            break
-        results = engine.run(chosen, strategy.task(plan, t), theta, t)
-        usable = [r for r in results.values()
-                  if not isinstance(r, ClientFailure) and all(bool(torch.isfinite(v).all()) for v in r.values())]
-        failures += len(chosen) - len(usable)
-        if usable:
-            theta = strategy.aggregate(theta, usable, t)
-        completed = t + 1
-        record = {"round": t, "answered": len(usable), "steps": strategy.steps(t),
-                  "epsilon_spent": auth.epsilon_after, "round_seconds": time.perf_counter() - round_start}
-        if (t + 1) % evaluate_every == 0 or t + 1 == rounds:
-            record.update(eval_data.labelled(model.evaluate(theta, eval_data)))
-            if reference is not None:
-                record["oracle_error"] = relative_error(theta, reference)
+    round_ = MEstimationRound(strategy, engine, plan, model, eval_data, reference, evaluate_every, rounds)
+
+    def finish(record: dict, theta: Params, auth) -> None:
         history.append(record)
         if on_round is not None:
             on_round(record)
+
+    started = time.perf_counter()
+    outcome = run_rounds(round_, ledger, theta, first=0, last=rounds, seed=seed, n_clients=n,
+                         clients_per_round=clients_per_round, on_round=finish)
     last = next((r for r in reversed(history) if "loss" in r or "oracle_loss" in r), {})
     summary = {
         **strategy.describe(),
-        "rounds_completed": completed, "rounds_planned": rounds, "private_steps_per_client": total_steps,
+        "rounds_completed": outcome.rounds_completed, "rounds_planned": rounds, "private_steps_per_client": total_steps,
         "noise_multiplier": noise_multiplier, "clip": privacy.clip if privacy.private else None,
         "epsilon_target": privacy.epsilon, "delta": privacy.delta if privacy.private else None,
         "epsilon_spent": ledger.epsilon_spent(),
         "accountant": privacy.accountant if privacy.private else None,
         **(statement() if privacy.private else {}),
         "not_for_production": privacy.noise_seed is not None and privacy.private,
-        "halted": halted, "halt_reason": halt_reason, "client_failures": failures,
+        "halted": outcome.halted, "halt_reason": outcome.halt_reason, "client_failures": round_.failures,
         "final_metrics": {k: v for k, v in last.items()
                           if k.removeprefix("oracle_") in ("loss", "accuracy", "r2", "error", "param_error")},
         "oracle_metrics": eval_data.oracle or reference is not None,
         "wall_seconds": time.perf_counter() - started,
     }
-    return {"history": history, "summary": summary, "theta": theta}
+    return {"history": history, "summary": summary, "theta": outcome.theta}

@@ -145,7 +145,7 @@ class PrivacyLedger:
             raise checks.PrivacyParameterError("client", client, allowed)
         return i
 
-    def authorize(self, cohort: Sequence[int], count: int = 1) -> Authorization:
+    def authorize(self, cohort: Sequence[int], count: int = 1, round: Optional[int] = None) -> Authorization:
         """Charge ``count`` participations to every client of ``cohort``, unless one would exceed the target.
 
         Call it before the cohort trains; persist :meth:`state_dict` before training too, so that
@@ -157,6 +157,8 @@ class PrivacyLedger:
             Distinct client indices.
         count : int
             Participations (of ``local_steps`` steps) each client releases in the round, >= 1.
+        round : int, optional
+            The round charged (what a ledger that writes its charges records; unused here).
 
         Returns
         -------
@@ -270,7 +272,7 @@ class PrivacyLedger:
 class NullLedger:
     """The ledger of a run without privacy: every round is granted, nothing is spent or kept."""
 
-    def authorize(self, cohort: Sequence[int], count: int = 1) -> Authorization:
+    def authorize(self, cohort: Sequence[int], count: int = 1, round: Optional[int] = None) -> Authorization:
         return Authorization(True, "not private: nothing to charge", None, None)
 
     def epsilon_spent(self) -> None:
