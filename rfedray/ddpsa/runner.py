@@ -27,7 +27,7 @@ import torch
 from rfedray.ddpsa.mechanism import ClipPolicy, ddpsa_step, layers_of
 from rfedray.ddpsa.secure_aggregation import AggregatorGroup, FixedPointCodec, collect_sum, send_update
 from rfedray.federated.client import ClientFailure, round_generator
-from rfedray.federated.rounds import run_rounds
+from rfedray.federated.rounds import Strategy, run_rounds
 from rfedray.federated.engine import Engine, HostedClient
 from rfedray.mestimation.local import ParamLayout, StepPlan
 from rfedray.privacy.statement import statement
@@ -62,8 +62,8 @@ class DDPSATask:
         return {"clips": release.clips, "noise_scales": release.noise_scales, **release.diagnostics}
 
 
-class DDPSARound:
-    """A DDP-SA round (a :class:`~rfedray.federated.rounds.Strategy`): every client of the cohort
+class DDPSARound(Strategy):
+    """A DDP-SA round on the federation loop: every client of the cohort
     runs :class:`DDPSATask` on the engine (one step, secret-shared to the aggregators); the server
     steps ``theta <- theta - lr * sum / |P|`` on the secure sum, evaluates, and ends the run once
     the test loss has not improved by a relative ``min_delta`` for ``patience`` rounds.
@@ -74,9 +74,6 @@ class DDPSARound:
         self.task, self.engine, self.model, self.eval_data, self.lr = task, engine, model, eval_data, lr
         self.min_clients, self.patience, self.min_delta = min_clients, patience, min_delta
         self.best, self.since_best = float("inf"), 0
-
-    def participations(self, t: int) -> int:
-        return 1
 
     def round(self, chosen: list[int], theta: Params, t: int) -> tuple[Params, dict]:
         receipts = self.engine.run(chosen, self.task, theta, t)
@@ -188,16 +185,11 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
     ledger = PrivacyPlan(mechanism, "laplace", delta, epsilon, local_steps=1, noise_seed=noise_seed).ledger(sizes)
     task = DDPSATask(StepPlan(batch_size, 1.0, noise_multiplier, noise_seed), policy, codec, aggregators)
     round_ = DDPSARound(task, engine, model, dataset.eval_data(), lr, min_clients, patience, min_delta)
-    history: list[dict] = []
-
-    def finish(record: dict, theta: Params, auth) -> None:
-        history.append(record)
-        if on_round is not None:
-            on_round(record)
-
     started = time.perf_counter()
     outcome = run_rounds(round_, ledger, theta, first=0, last=rounds, seed=seed, n_clients=n,
-                         clients_per_round=clients_per_round, on_round=finish)
+                         clients_per_round=clients_per_round,
+                         on_round=None if on_round is None else lambda record, theta, auth: on_round(record))
+    history = outcome.records
     wall = time.perf_counter() - started
     last = history[-1] if history else {}
     summary = {

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from rfedray.config import Config
 from rfedray.federated.client import LocalResult
@@ -39,22 +40,22 @@ from rfedray.task import FederatedModel, Params
 log = logging.getLogger(__name__)
 
 
-class Strategy(Protocol):
+class Strategy(ABC):
     """What a round is."""
 
     def participations(self, t: int) -> int:
         """Participations (of the plan's local steps) each client of round ``t``'s cohort releases:
-        what the ledger is charged before the clients run."""
-        ...
+        what the ledger is charged before the clients run (one by default)."""
+        return 1
 
+    @abstractmethod
     def round(self, chosen: list[int], theta: Params, t: int) -> tuple[Params, dict]:
         """The clients' task on ``chosen`` from ``theta`` (theta_t) and the server's combination:
         theta_{t+1} and what the round reports."""
-        ...
 
     def stop(self, record: dict) -> bool:
-        """Whether the run ends after the round of ``record`` (early stopping)."""
-        ...
+        """Whether the run ends after the round of ``record`` (early stopping; never by default)."""
+        return False
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class Outcome:
         The last model.
     rounds_completed : int
         The index of the next round (the rounds before it are done).
+    records : list of dict
+        Every round's record.
     halted : bool
         The ledger refused a round (``halt_reason`` says which client would pass the target).
     stopped_early : bool
@@ -75,6 +78,7 @@ class Outcome:
 
     theta: Params
     rounds_completed: int
+    records: list[dict] = field(default_factory=list)
     halted: bool = False
     halt_reason: str = ""
     stopped_early: bool = False
@@ -102,24 +106,26 @@ def run_rounds(strategy: Strategy, ledger, theta: Params, *, first: int, last: i
         ``round``, the strategy's report, ``epsilon_spent`` and ``round_seconds``), theta_{t+1}
         and the ledger's answer (its state is what a checkpoint keeps).
     """
+    records: list[dict] = []
     for t in range(first, last):
         started = time.perf_counter()
         chosen = cohort(seed, t, n_clients, clients_per_round)
         auth = ledger.authorize(chosen, strategy.participations(t), t)
         if not auth.granted:
-            return Outcome(theta, t, halted=True, halt_reason=auth.reason)
+            return Outcome(theta, t, records, halted=True, halt_reason=auth.reason)
         theta, report = strategy.round(chosen, theta, t)
         record = {"round": t, **report, "epsilon_spent": auth.epsilon_after,
                   "round_seconds": time.perf_counter() - started}
+        records.append(record)
         if on_round is not None:
             on_round(record, theta, auth)
         if strategy.stop(record):
-            return Outcome(theta, t + 1, stopped_early=True)
-    return Outcome(theta, max(first, last))
+            return Outcome(theta, t + 1, records, stopped_early=True)
+    return Outcome(theta, max(first, last), records)
 
 
-class DPRFedProj:
-    """Algorithm 1's round (a :class:`~rfedray.federated.rounds.Strategy`): each client of the
+class DPRFedProj(Strategy):
+    """Algorithm 1's round: each client of the
     cohort runs ``tau`` private steps from theta_t (the executor: this process, or Ray's client
     actors), and the server checks and combines their submissions into theta_{t+1} (theta_t stays
     if none is usable); every ``run.evaluate_every`` rounds the model is evaluated.
@@ -141,9 +147,6 @@ class DPRFedProj:
         self.opt_states: dict[int, dict] = state.optimizer_states
         self.counters: dict[str, int] = state.counters
         self.last_metrics: dict[str, float] = state.last_metrics
-
-    def participations(self, t: int) -> int:
-        return 1  # one participation of run.local_steps steps
 
     def round(self, chosen: list[int], theta: Params, t: int) -> tuple[Params, dict]:
         results = self.executor.train(chosen, theta, t, self.opt_states)
@@ -172,6 +175,3 @@ class DPRFedProj:
             "local_train_seconds": sorted(r.train_seconds for r in answered.values()),  # no client order
             **{f"metric_{k}": v for k, v in self.last_metrics.items()},
         }
-
-    def stop(self, record: dict) -> bool:
-        return False

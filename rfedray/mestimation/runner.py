@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rfedray.federated.client import ClientFailure
-from rfedray.federated.rounds import run_rounds
+from rfedray.federated.rounds import Strategy as RoundStrategy, run_rounds
 from rfedray.federated.engine import Engine
 from rfedray.mestimation.local import ParamLayout, StepPlan
 from rfedray.mestimation.strategies import FedNewton, Strategy
@@ -112,8 +112,8 @@ def relative_error(theta: Params, reference: Params) -> float:
     return math.sqrt(num / den) if den > 0 else math.sqrt(num)
 
 
-class MEstimationRound:
-    """A round of an M-estimation strategy (a :class:`~rfedray.federated.rounds.Strategy`): every
+class MEstimationRound(RoundStrategy):
+    """A round of an M-estimation strategy on the federation loop: every
     client of the cohort runs the strategy's task (``strategy.steps(t)`` private steps) on the
     engine, and the strategy combines the finite answers; evaluated every ``evaluate_every`` rounds.
 
@@ -151,9 +151,6 @@ class MEstimationRound:
             if self.reference is not None:
                 report["oracle_error"] = relative_error(theta, self.reference)
         return theta, report
-
-    def stop(self, record: dict) -> bool:
-        return False
 
 
 def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, dataset: FederatedDataset, *,
@@ -197,17 +194,12 @@ def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, data
     ledger = privacy_plan(privacy, noise_multiplier, batch_size).ledger(sizes)
     plan = StepPlan(batch_size, privacy.clip, noise_multiplier, privacy.noise_seed)
     eval_data = dataset.eval_data()
-    history: list[dict] = []
     round_ = MEstimationRound(strategy, engine, plan, model, eval_data, reference, evaluate_every, rounds)
-
-    def finish(record: dict, theta: Params, auth) -> None:
-        history.append(record)
-        if on_round is not None:
-            on_round(record)
-
     started = time.perf_counter()
     outcome = run_rounds(round_, ledger, theta, first=0, last=rounds, seed=seed, n_clients=n,
-                         clients_per_round=clients_per_round, on_round=finish)
+                         clients_per_round=clients_per_round,
+                         on_round=None if on_round is None else lambda record, theta, auth: on_round(record))
+    history = outcome.records
     last = next((r for r in reversed(history) if "loss" in r or "oracle_loss" in r), {})
     summary = {
         **strategy.describe(),
