@@ -297,15 +297,28 @@ def test_a_full_disk_stops_at_a_checkpoint_and_the_resume_ends_as_an_uninterrupt
     assert summary["epsilon_spent"] == json.loads((reference / "summary.json").read_text())["epsilon_spent"]
 
 
+def remount_read_only(path: Path, attempts: int = 100) -> None:
+    """Make the bind mount at ``path`` read-only. The kernel refuses (EBUSY) while a file under it is
+    open for writing, which the running job does now and then: try again until a moment between writes."""
+    for _ in range(attempts):
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], capture_output=True).returncode == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} could not be remounted read-only in {attempts} attempts")
+
+
 def test_a_read_only_run_directory_is_one_error_line_and_resumes(tmp_path):
     run = start("run", *SMALL_JOB, f"run.output_dir={tmp_path}", "run.rounds=30", "federation.local_steps=300")
     run_dir = Path(run.stdout.readline().strip())
     wait_for(lambda: rounds_logged(run_dir) >= 6, what="round 6")
     subprocess.run(["mount", "--bind", str(run_dir), str(run_dir)], check=True)
-    subprocess.run(["mount", "-o", "remount,bind,ro", str(run_dir)], check=True)
     try:
+        remount_read_only(run_dir)
         out, err = run.communicate(timeout=300)
     finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
         subprocess.run(["umount", str(run_dir)], check=True)
     assert run.returncode == 1
     line = error_line(subprocess.CompletedProcess(run.args, run.returncode, out, err))
