@@ -1,10 +1,10 @@
 """The Ray engine: connect to (or start) Ray, run the federation on a server actor, train on client actors.
 
-What runs where (``rfedray run --engine ray``):
+What runs where (``rfedray run --engine ray`` on a Ray cluster it connects to: ``ray.address``,
+``RAY_ADDRESS``, or ``ray job submit``):
 
-* the driver process, :func:`run_on_ray`: connects to Ray (or starts it), starts the server actor on
-  its own node, shows the progress line and the server's warnings, returns the summary and shuts
-  Ray down if it started it;
+* the driver process, :func:`run_on_ray`: connects to Ray, starts the server actor on its own node,
+  shows the progress line and the server's warnings, returns the summary;
 * the server actor (:mod:`actors.server_actor`), on the driver's node: runs
   :meth:`rfedray.federated.loop.Federation.run`, the loop the local engine runs, with the
   :class:`~actors.engine.RayExecutor` of :func:`~actors.engine.ray_executor`; it owns the run directory (on the driver's disk),
@@ -14,22 +14,24 @@ What runs where (``rfedray run --engine ray``):
   themselves;
 * the accountant actor (:mod:`actors.accountant_actor`) holds every client's budget, is pinned to
   the server's node and persists ``budget.json`` before each round trains.
+
+When no cluster is given, the driver starts a Ray instance of its own: one machine. It then runs the
+server's part itself, ledger included (:func:`actors.server_actor.serve`), trains the first block of
+clients itself, and only the other blocks are client actors; it shuts that instance down at the end.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Sequence
 
 import ray
 
-from actors.server_actor import start_server
+from actors.server_actor import serve, start_server
 from actors.session import RaySession, check_ray_config, user_code_env
-from rfedray.config import Config
 from rfedray.errors import RfedrayError, RunFailure
-from rfedray.federated.loop import RoundObserver
+from rfedray.federated.loop import Federation, RoundObserver
 from rfedray.federated.rundir import RunDirectory
-from rfedray.federated.setup import GivenTask
 
 POLL_INTERVAL_S = 0.5
 """How often the driver asks the server actor for new round records and warnings."""
@@ -76,41 +78,43 @@ def _follow(server, finished: ray.ObjectRef, observers: Sequence[RoundObserver],
     return summary
 
 
-def run_on_ray(cfg: Config, run_dir: RunDirectory, observers: Sequence[RoundObserver], *, resume: bool = False,
-               given: Optional[GivenTask] = None) -> dict:
-    """Run (or resume) the federation of ``cfg`` on a server actor; relay its progress to ``observers``.
+def run_on_ray(fed: Federation, observers: Sequence[RoundObserver], *, resume: bool = False) -> dict:
+    """Run (or resume) the federation ``fed``; relay its progress to ``observers``.
 
-    Runs in the driver process; the federation runs in the server actor, on this node (see the
-    module docstring).
+    Runs in the driver process. On a Ray cluster it connects to, the federation runs in a server
+    actor on this node, which prepares it again from ``fed.cfg``; on a Ray instance it starts itself
+    (one machine), it runs ``fed`` here, in this process (see the module docstring).
 
     Parameters
     ----------
-    cfg : Config
-    run_dir : RunDirectory
-        Where the server writes the run (on this node's disk).
+    fed : Federation
+        Prepared in this process (its inputs checked before Ray starts).
     observers : sequence of RoundObserver
-        Get every round record (run-level values only) and the summary, here in the driver.
+        Get every round record (from a server actor: run-level values only) and the summary, here.
     resume : bool
-        Continue ``run_dir`` from its checkpoint.
-    given : GivenTask, optional
-        The user's model or dataset objects, sent to the server and client actors.
+        Continue ``fed.run_dir`` from its checkpoint.
 
     Returns
     -------
     dict
-        The summary, also in ``run_dir/summary.json``.
+        The summary, also in ``summary.json`` of the run directory.
 
     Raises
     ------
     RfedrayError
         When Ray cannot be reached, the run fails (the server's error), or the server actor dies.
     """
-    check_ray_config(cfg)
-    session = RaySession.open(cfg.ray.address)
+    check_ray_config(fed.cfg)
+    session = RaySession.open(fed.cfg.ray.address)
     try:
-        server = start_server(cfg, run_dir, given, user_code_env(cfg, given.objects() if given is not None else ()))
+        if session.one_machine:
+            fed.observers.extend(observers)
+            return serve(fed, session, resume=resume)
+        given = fed.given
+        server = start_server(fed.cfg, fed.run_dir, given,
+                              user_code_env(fed.cfg, given.objects() if given is not None else ()))
         try:
-            return _follow(server, server.run.remote(resume), observers, run_dir)
+            return _follow(server, server.run.remote(resume), observers, fed.run_dir)
         finally:
             ray.kill(server, no_restart=True)
     finally:

@@ -2,9 +2,8 @@
 
 What runs where (``rfedray run`` with ``run.engine: ray``):
 
-* the driver process (:func:`actors.driver.run_on_ray`) connects to (or starts) Ray, starts the
-  server actor, relays its round records and warnings to the progress line and the log, and
-  returns its summary;
+* the driver process (:func:`actors.driver.run_on_ray`) connects to Ray, starts the server actor,
+  relays its round records and warnings to the progress line and the log, and returns its summary;
 * the :class:`ServerActor`, pinned to the driver's node so that the run directory is on the
   driver's disk, builds the :class:`~rfedray.federated.loop.Federation` from the configuration and
   runs :meth:`~rfedray.federated.loop.Federation.run` with the Ray executor
@@ -15,6 +14,10 @@ What runs where (``rfedray run`` with ``run.engine: ray``):
   place and do not depend on the driver;
 * the client actors and the accountant actor are created by the server and owned by it: they end
   with it. ``RUN_DIR/placement.json`` records where the server and the client actors started.
+
+When the driver starts a Ray instance itself, the run is on one machine: the driver runs
+:func:`serve` in its own process, with the ledger there too (no server or accountant actor: two
+processes and their memory fewer); only clients train in actors (:mod:`actors.engine`).
 
 A server that dies loses nothing that ``rfedray run --resume RUN_DIR`` needs: the checkpoint and the
 write-ahead ``budget.json`` are on the driver's disk.
@@ -31,6 +34,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.engine import ray_executor
+from actors.session import RaySession
 from rfedray.config import Config
 from rfedray.errors import RfedrayError
 from rfedray.federated.loop import Federation
@@ -72,6 +76,54 @@ class WarningRelay(logging.Handler):
         self.lines.append((record.name, record.levelno, record.getMessage()))
 
 
+class PlacementRecord:
+    """Writes ``RUN_DIR/placement.json`` (where the server and the client actors run) with the first round.
+
+    A run that fails before its first round leaves the run directory as it was.
+    """
+
+    def __init__(self, run_dir: RunDirectory):
+        self.run_dir, self.placement, self.written = run_dir, {}, False
+
+    def on_round(self, record: dict) -> None:
+        if not self.written:
+            self.run_dir.write_json("placement.json", self.placement)
+            self.written = True
+
+    def on_finish(self, summary: dict) -> None:
+        """Nothing to write at the end."""
+
+
+def serve(fed: Federation, session: RaySession, *, resume: bool, runtime_env: Optional[dict] = None) -> dict:
+    """Run ``fed`` in this process on the Ray executor, with its metrics endpoint; return the summary.
+
+    Parameters
+    ----------
+    fed : Federation
+        Prepared in this process; its observers get every round record and the summary.
+    session : RaySession
+        This process's connection to Ray; on one machine the ledger and a block of clients stay in
+        this process (:class:`actors.engine.RayExecutor`), else the ledger is an accountant actor.
+    resume : bool
+    runtime_env : dict, optional
+        Of the client actors (by default :func:`~actors.session.user_code_env` of ``fed``).
+    """
+    with ExitStack() as stack:
+        record = PlacementRecord(fed.run_dir)
+        fed.observers.insert(0, record)
+        metrics = attach_metrics(fed, stack)
+        executor = ray_executor(fed, runtime_env, session)
+        stack.callback(executor.close)
+        record.placement = {
+            "server": {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                       "accountant": "in this process" if session.one_machine else "actor"},
+            "client_actors": executor.describe(),
+        }
+        if metrics is not None:
+            metrics.metrics.set_client_actors(record.placement["client_actors"])
+        return fed.run(executor, resume=resume)
+
+
 class ServerActor:
     """Runs one federation in its own process; the driver polls it for progress.
 
@@ -105,10 +157,9 @@ class ServerActor:
         self.relay = WarningRelay()
         for name in RELAYED_LOGGERS:
             logging.getLogger(name).addHandler(self.relay)
-        self.placement: dict = {}
 
     def run(self, resume: bool) -> dict:
-        """Build the federation, start its actors and metrics endpoint, run it; return the summary.
+        """Build the federation, start its actors and metrics endpoint, run it (:func:`serve`).
 
         Raises
         ------
@@ -116,26 +167,12 @@ class ServerActor:
             A user error of the run, with its message (as a plain RfedrayError, which always
             reaches the driver intact).
         """
-        with user_errors_as_rfedray_errors(), ExitStack() as stack:
+        with user_errors_as_rfedray_errors():
             fed = Federation.prepare(self.cfg, self.run_dir, [self], self.given)
-            metrics = attach_metrics(fed, stack)
-            executor = ray_executor(fed, self.runtime_env)
-            stack.callback(executor.close)
-            self.placement = {
-                "server": {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()},
-                "client_actors": executor.describe(),
-            }
-            if metrics is not None:
-                metrics.metrics.set_client_actors(self.placement["client_actors"])
-            return fed.run(executor, resume=resume)
+            return serve(fed, RaySession(started=False), resume=resume, runtime_env=self.runtime_env)
 
     def on_round(self, record: dict) -> None:
-        """Keep the round's run-level values; write ``placement.json`` with the first round run here.
-
-        (A run that fails before its first round leaves the run directory as it was.)
-        """
-        if not self.records:
-            self.run_dir.write_json("placement.json", self.placement)
+        """Keep the round's run-level values for the driver."""
         self.records.append({k: v for k, v in record.items() if not isinstance(v, list)})
 
     def on_finish(self, summary: dict) -> None:

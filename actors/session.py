@@ -20,6 +20,7 @@ import ray
 from rfedray.config import Config, ConfigError
 from rfedray.errors import RfedrayError
 from rfedray.plugins import code_locations
+from rfedray.progress import log_startup
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class RaySession:
                 raise
             finally:
                 auth_log.setLevel(level)
+            log_startup("Ray started")
             return cls(started=True, reaper=reaper)
         if address.startswith("ray://"):
             raise ConfigError(label, address, "Ray Client addresses are not supported: run rfedray on a node of the "
@@ -119,6 +121,12 @@ class RaySession:
             reason = str(exc).splitlines()[0]
             raise RfedrayError(f"{label}={address!r}: cannot connect to a Ray cluster ({reason}); {hint}") from None
         return cls(started=False)
+
+    @property
+    def one_machine(self) -> bool:
+        """Whether the run has this machine to itself: this process started the Ray instance, so every
+        process of the run is here (no cluster, no other driver)."""
+        return self.started
 
     def close(self) -> None:
         try:

@@ -18,7 +18,8 @@ For each workload and n, the engines run one after the other (rfedray's Ray engi
 line, with evaluation off for Flower and at the last round only for rfedray. Per run:
 
 * start-up: process start to the end of the first round (Flower: its first ``aggregate_fit``;
-  rfedray: its first line of ``metrics.jsonl``);
+  rfedray: its first line of ``metrics.jsonl``), and for rfedray the phases its ``--verbose`` log
+  times (imports, federation prepared, Ray started, client actors up, evaluation data ready);
 * round: the median of rounds 2..R (rfedray's ``round_seconds``; Flower's time between consecutive
   ``aggregate_fit`` ends);
 * peak RSS: the largest sum of the resident set sizes of every process of the run (driver, actors,
@@ -43,6 +44,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -57,6 +59,8 @@ import yaml
 from procmem import run_sampled
 
 ROOT = Path(__file__).resolve().parent.parent
+ATTEMPTS = 2
+"""Runs of each command before the benchmark gives up (Ray's start can time out on a busy machine)."""
 FLOWER_DIR = Path(__file__).resolve().parent / "flower"
 
 FEDPCA = {
@@ -134,6 +138,10 @@ def rfedray_config(workload: str, n: int, k: int, rounds: int, out: Path, data: 
     return path
 
 
+STARTUP = re.compile(r"start-up: (.+) at ([0-9.]+) s")
+"""rfedray's ``--verbose`` start-up lines (:func:`rfedray.progress.log_startup`)."""
+
+
 class FirstRecord:
     """Notes when the first ``metrics.jsonl`` line of a new run directory under ``root`` appears."""
 
@@ -152,16 +160,23 @@ def run_rfedray(engine: str, workload: str, n: int, k: int, rounds: int, out: Pa
     runs = out / "runs"
     runs.mkdir(exist_ok=True)
     rfedray = str(Path(sys.executable).parent / "rfedray")
-    cmd = [rfedray, "run", str(config), "--quiet", "--engine", engine]
-    first = FirstRecord(runs)
-    result = run_sampled(cmd, str(out / "last.log"), cwd=str(ROOT), watch=first)
-    if result.returncode:
-        raise SystemExit(f"rfedray failed (exit {result.returncode}):\n{result.output[-3000:]}")
+    cmd = [rfedray, "run", str(config), "--quiet", "--verbose", "--engine", engine]
+    for attempt in range(ATTEMPTS):
+        first = FirstRecord(runs)
+        result = run_sampled(cmd, str(out / "last.log"), cwd=str(ROOT), watch=first)
+        if result.returncode == 0:
+            break
+        print(f"    rfedray failed (exit {result.returncode}), attempt {attempt + 1} of {ATTEMPTS}:\n"
+              f"{result.output[-1500:]}", file=sys.stderr, flush=True)
+    else:
+        raise SystemExit("rfedray failed every attempt")
     (run_dir,) = set(runs.iterdir()) - first.before
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rounds_s = [r["round_seconds"] for r in records if "round_seconds" in r]
+    phases = {m.group(1): float(m.group(2)) for m in STARTUP.finditer(result.output)}
+    phases["first round done"] = first.seconds
     return {"engine": f"rfedray-{engine}", "startup_s": first.seconds, "round_s": statistics.median(rounds_s[1:]),
-            "rounds_s": rounds_s, "peak": result.peak, "wall_s": result.seconds,
+            "rounds_s": rounds_s, "peak": result.peak, "wall_s": result.seconds, "phases": phases,
             "command": " ".join(cmd[1:])}
 
 
@@ -170,10 +185,15 @@ def run_flower(python: str, workload: str, n: int, k: int, rounds: int, out: Pat
     if data is not None:
         cmd += ["--data", str(data)]
     env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", PYTHONPATH=str(FLOWER_DIR))
-    result = run_sampled(cmd, str(out / "last.log"), cwd=str(FLOWER_DIR), env=env)
-    lines = [line for line in result.output.splitlines() if line.startswith("RESULT ")]
-    if result.returncode or not lines:
-        raise SystemExit(f"Flower failed (exit {result.returncode}):\n{result.output[-3000:]}")
+    for attempt in range(ATTEMPTS):
+        result = run_sampled(cmd, str(out / "last.log"), cwd=str(FLOWER_DIR), env=env)
+        lines = [line for line in result.output.splitlines() if line.startswith("RESULT ")]
+        if result.returncode == 0 and lines:
+            break
+        print(f"    Flower failed (exit {result.returncode}), attempt {attempt + 1} of {ATTEMPTS}:\n"
+              f"{result.output[-1500:]}", file=sys.stderr, flush=True)
+    else:
+        raise SystemExit("Flower failed every attempt")
     res = json.loads(lines[-1][len("RESULT "):])
     return {"engine": "flower", "startup_s": res["round_ends"][0], "round_s": statistics.median(res["rounds"]),
             "rounds_s": res["rounds"], "peak": result.peak, "wall_s": result.seconds,
@@ -223,6 +243,9 @@ def main() -> None:
                         print(f"  {workload} n={n} {r['engine']}: start-up {r['startup_s']:.1f} s, round "
                               f"{r['round_s']:.3f} s, peak RSS {r['peak_rss_mib']:.0f} MiB ({breakdown(r['peak'])})",
                               flush=True)
+                        if r.get("phases"):
+                            print("    start-up phases (s since the process started): "
+                                  + "; ".join(f"{name} {t:.1f}" for name, t in r["phases"].items()), flush=True)
                         log.write(json.dumps({key: v for key, v in r.items() if key != "peak"}) + "\n")
                         log.flush()
                         rows.append(r)

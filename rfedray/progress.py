@@ -15,15 +15,30 @@ is written as a plain line per round, so logs stay readable and grep-able.
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 import sys
+import time
 from collections import deque
 from typing import Iterable, Mapping, Optional, TextIO, TypeVar
 
 T = TypeVar("T")
 
+import psutil
+
 _ETA_WINDOW = 10
+
+log = logging.getLogger(__name__)
+
+
+def log_startup(phase: str) -> None:
+    """Log, at debug level (``rfedray run --verbose``), that ``phase`` of the start-up is done and when.
+
+    The time is the seconds since this process started, so the lines of a run add up to its
+    start-up: ``start-up: Ray started at 6.21 s``.
+    """
+    log.debug("start-up: %s at %.2f s", phase, time.time() - psutil.Process().create_time())
 
 
 def _format_number(value: float) -> str:

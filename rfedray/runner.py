@@ -1,8 +1,8 @@
 """Run a configuration on its engine, with progress and metrics attached.
 
 ``run.engine: local`` runs the whole federation in this process; ``run.engine: ray`` hands it to the
-Ray layer (:func:`actors.driver.run_on_ray`): a server actor runs the same federation loop there and
-distributes the clients over client actors, while this process shows the progress line.
+Ray layer (:func:`actors.driver.run_on_ray`): the same federation loop distributes the clients over
+client actors (on a cluster, in a server actor, while this process shows the progress line).
 """
 
 from __future__ import annotations
@@ -39,11 +39,14 @@ def run(cfg: Config, run_dir: RunDirectory, *, quiet: bool = False, resume: bool
         A user error, a busy run directory, or a write that failed (exit status 1).
     """
     from rfedray.federated.loop import Federation
+    from rfedray.progress import log_startup
     from rfedray.report import write_plots
+
+    log_startup("command line read (imports)")
 
     with run_dir.lock() as lock:
         # Refuse bad data, privacy settings and run directories here, before anything is written
-        # (and, on the Ray engine, before Ray starts: the server builds the federation again).
+        # (and, on the Ray engine, before Ray starts: a server actor on a cluster builds it again).
         fed = Federation.prepare(cfg, run_dir, given=given)
         if resume:
             fed.check_resume()
@@ -51,11 +54,12 @@ def run(cfg: Config, run_dir: RunDirectory, *, quiet: bool = False, resume: bool
             log.warning("%s: the previous rfedray process (%s) ended without releasing the run directory; continuing "
                         "from its checkpoint and budget", run_dir.path, describe_holder(lock.previous))
         run_dir.announce(lock, "rfedray run --resume" if resume else "rfedray run")
+        log_startup("federation prepared (data sizes, privacy calibration)")
         observers = [ProgressObserver(cfg, quiet)]
         if cfg.run.engine == "ray":
             from actors.driver import run_on_ray
 
-            summary = run_on_ray(cfg, run_dir, observers, resume=resume, given=given)
+            summary = run_on_ray(fed, observers, resume=resume)
         else:
             fed.observers.extend(observers)
             summary = run_local(fed, resume=resume)

@@ -22,6 +22,7 @@ from ray.cluster_utils import Cluster
 
 from actors.driver import run_on_ray
 from prometheus_server import free_port, prometheus  # noqa: F401  (pytest fixture)
+from rfedray.federated.loop import Federation
 from rfedray.federated.rundir import RunDirectory
 from test_ray_engine import small_cfg
 
@@ -82,7 +83,7 @@ def test_prometheus_scrapes_both_nodes_ray_metrics_and_the_runs(two_nodes, tmp_p
                     "ray.placement=STRICT_SPREAD", f"monitoring.metrics_port={port}", "monitoring.linger_seconds=8")
     run_dir = RunDirectory.create(str(tmp_path), "scraped")
     outcome = {}
-    thread = threading.Thread(target=lambda: outcome.update(summary=run_on_ray(cfg, run_dir, [])))
+    thread = threading.Thread(target=lambda: outcome.update(summary=run_on_ray(Federation.prepare(cfg, run_dir), [])))
     thread.start()
     try:
         # The run's series, its final state and where its actors ran, scraped from its endpoint.

@@ -9,8 +9,10 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import ray
 import torch
@@ -199,6 +201,47 @@ def test_ray_settings_checked_before_start():
     assert assign_clients(10, load_config(None, ["ray.clients_per_actor=4"]).ray, 2) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert assign_clients(5, load_config(None, []).ray, 2) == [[0, 1, 2], [3, 4]]
     assert assign_clients(5, load_config(None, ["ray.num_cpus_per_actor=0.5"]).ray, 2) == [[0, 1], [2], [3], [4]]
+
+
+def session_actors(sid: int) -> set[str]:
+    """The Ray actors (``ray::Class``) among the processes of session ``sid``."""
+    names = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if os.getsid(proc.pid) == sid and proc.info["cmdline"] and proc.info["cmdline"][0].startswith("ray::"):
+                names.add(proc.info["cmdline"][0].split()[0].split(".")[0])
+        except (psutil.Error, OSError):
+            continue
+    return names
+
+
+def test_a_run_on_its_own_ray_instance_serves_and_trains_a_block_in_the_driver(tmp_path):
+    """One machine: the driver runs the loop, keeps the ledger and trains the first block; the other
+    block is a client actor; no server or accountant actor; the local engine's model, bit for bit."""
+    overrides = ["privacy.accountant=exact", "run.rounds=4", "run.checkpoint_every=2"]
+    local, theta_local, rd_local = run_engine(tmp_path, "local", *overrides, engine="local")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "-m", "rfedray.cli", "run", *SMALL, *overrides, "ray.max_restarts=0",
+                             f"run.output_dir={tmp_path / 'cli'}", "--engine", "ray", "--quiet"], cwd=ROOT, env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    seen = set()
+    while proc.poll() is None:
+        seen |= session_actors(proc.pid)
+        time.sleep(0.05)
+    out, err = proc.communicate()
+    assert proc.returncode == 0, err
+    run_dir = RunDirectory(out.splitlines()[0])
+    placement = json.loads((run_dir.path / "placement.json").read_text())
+    assert placement["server"]["pid"] == proc.pid and placement["server"]["accountant"] == "in this process"
+    here, actor = placement["client_actors"]
+    assert here["pid"] == proc.pid and here["in_driver"] and here["clients"] == [0, 1, 2]
+    assert actor["pid"] != proc.pid and actor["clients"] == [3, 4, 5] and actor["threads"] == 1
+    assert "ray::ClientActor" in seen and not seen & {"ray::ServerActor", "ray::AccountantActor"}, seen
+    theta = torch.load(run_dir.final_model)
+    assert all(torch.equal(theta_local[k], theta[k]) for k in theta_local)
+    summary = json.loads(run_dir.summary.read_text())
+    assert summary["epsilon_spent"] == local["epsilon_spent"] > 0 and summary["engine"] == "ray"
+    assert sum(json.loads(run_dir.budget.read_text())["ledger"]["participations"]) == 4 * 3
 
 
 @pytest.mark.parametrize("where", ["config", "environment"])

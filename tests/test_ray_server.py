@@ -25,7 +25,7 @@ from actors.server_actor import SERVER_NAMESPACE
 from prometheus_server import free_port
 from rfedray.cli import main
 from rfedray.errors import RfedrayError
-from rfedray.federated.loop import without_oracle_metrics
+from rfedray.federated.loop import Federation, without_oracle_metrics
 from rfedray.federated.rundir import RunDirectory
 from test_ray_engine import SMALL, run_engine, small_cfg, start_test_ray
 
@@ -55,7 +55,7 @@ class Recorder:
 def run_server(tmp_path, name, *overrides, observers=()):
     cfg = small_cfg(tmp_path, "run.engine=ray", *overrides)
     rd = RunDirectory.create(str(tmp_path), name)
-    return run_on_ray(cfg, rd, list(observers)), rd
+    return run_on_ray(Federation.prepare(cfg, rd), list(observers)), rd
 
 
 def scrape(port):
@@ -122,8 +122,11 @@ def test_metrics_are_served_by_the_server_actor(tmp_path):
 
 
 def test_errors_of_the_server_reach_the_driver_intact(tmp_path):
+    rd = RunDirectory.create(str(tmp_path), "error")
+    fed = Federation.prepare(small_cfg(tmp_path, "run.engine=ray"), rd)
+    fed.cfg = small_cfg(tmp_path, "run.engine=ray", "data.options.records_per_client=30")  # what the server prepares
     with pytest.raises(RfedrayError, match=r"^federation.batch_size=40: must be <= the smallest client's"):
-        run_server(tmp_path, "error", "data.options.records_per_client=30")
+        run_on_ray(fed, [])
     assert list((tmp_path / "error").iterdir()) == []
 
 
