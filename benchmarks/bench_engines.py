@@ -2,9 +2,13 @@
 
 Federated PCA on Gr(40, 4) (1,000 records per client, tau = 5, B = 50), k = n/5 clients per round,
 a fixed sigma and the exact accountant (its budget check, under a millisecond a round, is the same
-on both engines). Both engines hold every
-client's data before the first round (the local engine loads a client the first time it is
-selected), and round 0 is left out (first-call costs). This process runs torch with as many threads
+on both engines). Both engines hold every client's data before the timed rounds (the local engine's
+clients are built beforehand, the Ray engine's when their actors start, each trained once, untimed),
+and round 0 is left out (first-call costs). The Ray engine runs in the layout of ``rfedray run`` on
+one machine (a Ray instance started for each measurement; the ledger and one block of clients in
+this process, the other blocks in client actors), or with ``--cluster-layout`` in the layout on a
+cluster (one Ray instance for the whole run; an accountant actor, every client in a client actor).
+This process runs torch with as many threads
 as each client actor (1 by default): with 2 threads on 2 busy cores, intra-op threads wait for
 each other and the local engine measured 8x slower. Per engine and n it reports the median
 round time (the loop's ``round_seconds``: charge, train, aggregate, evaluate), the median time of
@@ -12,7 +16,7 @@ the training step alone, their Ray/local ratios, and the peak memory: of this pr
 engine, of this process and all its descendants (the driver and every Ray process it started) for
 the Ray engine.
 
-Run: ``python benchmarks/bench_engines.py [--sizes 10 100 500] [--rounds 6] [--threads 1]``.
+Run: ``python benchmarks/bench_engines.py [--sizes 10 100 500] [--rounds 6] [--threads 1] [--cluster-layout]``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from actors.session import LOCAL_OBJECT_STORE_BYTES
 from rfedray.config import load_config
 from rfedray.federated.loop import Federation
 from rfedray.federated.rundir import RunDirectory
+from rfedray.federated.setup import initial_params
 
 GIB = 1024**3
 
@@ -89,7 +94,11 @@ class TimedExecutor:
 
 
 def measure_engine(engine: str, n: int, k: int, rounds: int, output_dir: str, *overrides: str) -> dict:
-    """Run federated PCA on ``engine`` and return its median round and train times and peak memory."""
+    """Run federated PCA on ``engine`` and return its median round and train times and peak memory.
+
+    The Ray engine uses the Ray instance of this process if it has one (the cluster layout), else it
+    starts one for this run and shuts it down after (the one-machine layout of ``rfedray run``).
+    """
     cfg = load_config(None, [
         f"run.engine={engine}", f"run.rounds={rounds}", f"run.output_dir={output_dir}", f"federation.n_clients={n}",
         f"federation.clients_per_round={k}", "federation.local_steps=5", "federation.batch_size=50",
@@ -102,6 +111,8 @@ def measure_engine(engine: str, n: int, k: int, rounds: int, output_dir: str, *o
         if engine == "local":
             for cid in range(n):
                 executor.client(cid)
+        else:  # every client trained once, untimed (first-call costs)
+            executor.train(list(range(n)), initial_params(cfg, fed.model), 0, {})
         timed = TimedExecutor(executor)
         try:
             fed.run(timed)
@@ -124,12 +135,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of this process (the local engine and the server side); client "
                              "actors use int(ray.num_cpus_per_actor) = 1")
+    parser.add_argument("--cluster-layout", action="store_true",
+                        help="one Ray instance for the run: an accountant actor, every client in a client actor")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    ray.init(address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False)
-    cpus = int(ray.cluster_resources()["CPU"])
+    if args.cluster_layout:
+        ray.init(address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                 log_to_driver=False)
+    cpus = psutil.cpu_count()
+    layout = ("cluster layout: min(n, CPUs) client actors" if args.cluster_layout
+              else "one-machine layout: a block of clients here, min(n, CPUs) - 1 client actors")
     print(f"# {cpus} CPUs, load average {psutil.getloadavg()[0]:.1f}, {args.threads} torch thread(s) here; "
-          f"Ray engine: min(n, {cpus}) client actors of 1 thread")
+          f"Ray engine in the {layout} of 1 thread")
     print(f"{'n':>5} {'k':>4} {'local s':>9} {'ray s':>9} {'ratio':>6} {'train local':>12} {'train ray':>10} "
           f"{'ratio':>6} {'mem local':>10} {'mem ray':>8}  (median per round; memory: peak RSS GiB)")
     with tempfile.TemporaryDirectory() as out:

@@ -15,7 +15,9 @@ this folder or a study of the library:
   (:mod:`rfedray.studies.aggregation_cost`).
 * ``engines``: a round of the Ray engine against the local engine at n = 10, 100, 500, k = n/5
   (``bench_engines``; clients of m = 1000, tau = 5, B = 50), and at n = 100 with the paper's Table 4
-  clients. Wall time (the Ray engine's work is in other processes).
+  clients. Wall time (the Ray engine's work is in other processes). The Ray engine runs in the
+  layout of ``rfedray run`` on one machine (a Ray instance of its own for each measurement; the
+  ledger and a block of clients in this process).
 * ``scaling``: the Ray engine's round time and the memory of all its processes as n grows from 10
   to 1,000 clients at k = 10 (``bench_engines``), in two passes over n (the faster median round
   time and the larger peak memory of the two are kept).
@@ -176,21 +178,9 @@ def main() -> None:
           f"{psutil.getloadavg()[0]:.1f}, torch {torch.__version__}, 1 torch thread; "
           f"step/vectorised/accountant: CPU time; aggregation/engines/scaling: wall time", flush=True)
     rows: list[Row] = []
-    uses_ray = {"engines", "scaling"} & set(args.sections)
     with tempfile.TemporaryDirectory() as out:
-        if uses_ray:
-            import ray
-
-            from actors.session import LOCAL_OBJECT_STORE_BYTES
-
-            ray.init(address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                     log_to_driver=False)
-        try:
-            for name in args.sections:
-                rows += sections[name](args, out)
-        finally:
-            if uses_ray:
-                ray.shutdown()
+        for name in args.sections:
+            rows += sections[name](args, out)
     print_table(rows)
 
 

@@ -26,6 +26,9 @@ line, with evaluation off for Flower and at the last round only for rfedray. Per
   Ray's own processes), sampled every 0.1 s (:mod:`procmem`), and the breakdown by process role at
   that moment.
 
+``--engines ray-before --baseline DIR`` adds rfedray's Ray engine from another checkout (an earlier
+commit, run with this environment through ``PYTHONPATH``): before and after a change, in one run.
+
 It prints one table row per run with the ratios rfedray / Flower of the same n, writes every run
 (with its per-process breakdown) to ``OUT/runs.jsonl`` and the table to ``OUT/table.md``.
 
@@ -36,6 +39,7 @@ Run from the repository root::
 
     nice -n 10 .venv/bin/python benchmarks/side_by_side.py [--sizes 10 100 500] [--rounds 6]
         [--workloads fedpca spdnet] [--engines ray flower] [--repeats 1] [--out DIR]
+        [--engines ray-before ray flower --baseline CHECKOUT]
 """
 
 from __future__ import annotations
@@ -155,15 +159,18 @@ class FirstRecord:
             self.seconds = seconds
 
 
-def run_rfedray(engine: str, workload: str, n: int, k: int, rounds: int, out: Path, data: Optional[Path]) -> dict:
+def run_rfedray(engine: str, workload: str, n: int, k: int, rounds: int, out: Path, data: Optional[Path],
+                baseline: Optional[str] = None) -> dict:
+    """rfedray's run; ``baseline``: the code of that checkout instead of this one (same environment)."""
     config = rfedray_config(workload, n, k, rounds, out, data)
     runs = out / "runs"
     runs.mkdir(exist_ok=True)
     rfedray = str(Path(sys.executable).parent / "rfedray")
     cmd = [rfedray, "run", str(config), "--quiet", "--verbose", "--engine", engine]
+    env = dict(os.environ, PYTHONPATH=baseline) if baseline else None
     for attempt in range(ATTEMPTS):
         first = FirstRecord(runs)
-        result = run_sampled(cmd, str(out / "last.log"), cwd=str(ROOT), watch=first)
+        result = run_sampled(cmd, str(out / "last.log"), cwd=str(ROOT), env=env, watch=first)
         if result.returncode == 0:
             break
         print(f"    rfedray failed (exit {result.returncode}), attempt {attempt + 1} of {ATTEMPTS}:\n"
@@ -175,7 +182,7 @@ def run_rfedray(engine: str, workload: str, n: int, k: int, rounds: int, out: Pa
     rounds_s = [r["round_seconds"] for r in records if "round_seconds" in r]
     phases = {m.group(1): float(m.group(2)) for m in STARTUP.finditer(result.output)}
     phases["first round done"] = first.seconds
-    return {"engine": f"rfedray-{engine}", "startup_s": first.seconds, "round_s": statistics.median(rounds_s[1:]),
+    return {"engine": f"rfedray-{engine}" + ("-before" if baseline else ""), "startup_s": first.seconds, "round_s": statistics.median(rounds_s[1:]),
             "rounds_s": rounds_s, "peak": result.peak, "wall_s": result.seconds, "phases": phases,
             "command": " ".join(cmd[1:])}
 
@@ -214,11 +221,16 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 500])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--workloads", nargs="+", choices=["fedpca", "spdnet"], default=["fedpca", "spdnet"])
-    parser.add_argument("--engines", nargs="+", choices=["ray", "local", "flower"], default=["ray", "flower"])
+    parser.add_argument("--engines", nargs="+", choices=["ray", "local", "flower", "ray-before"], default=["ray", "flower"],
+                        help="ray-before: rfedray's Ray engine from the --baseline checkout")
+    parser.add_argument("--baseline", default=None,
+                        help="a checkout of an earlier rfedray commit, run with this environment (PYTHONPATH)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each engine per n (medians reported)")
     parser.add_argument("--flower-python", default=str(ROOT / ".venv-flower" / "bin" / "python"))
     parser.add_argument("--out", default=None, help="folder of the runs (default: a new temporary one)")
     args = parser.parse_args()
+    if "ray-before" in args.engines and not (args.baseline and (Path(args.baseline) / "rfedray").is_dir()):
+        sys.exit(f"error: --baseline: {args.baseline!r} is not an rfedray checkout (needed by --engines ray-before)")
     if "flower" in args.engines and not Path(args.flower_python).is_file():
         sys.exit(f"error: --flower-python: {args.flower_python} not found; run `bash scripts/setup.sh --flower` "
                  "(Flower's own environment, .venv-flower)")
@@ -236,6 +248,8 @@ def main() -> None:
                     for engine in args.engines:
                         if engine == "flower":
                             r = run_flower(args.flower_python, workload, n, k, args.rounds, out, data)
+                        elif engine == "ray-before":
+                            r = run_rfedray("ray", workload, n, k, args.rounds, out, data, args.baseline)
                         else:
                             r = run_rfedray(engine, workload, n, k, args.rounds, out, data)
                         r.update(workload=workload, n=n, k=k, repeat=rep, peak_rss_mib=r["peak"].rss / 2**20,
@@ -265,7 +279,7 @@ def render(rows: list[dict], engines: list[str]) -> str:
 
     lines = ["| workload | n | k | engine | start-up s | x Flower | round s | x Flower | peak RSS MiB | x Flower |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    order = [e if e == "flower" else f"rfedray-{e}" for e in engines]
+    order = [e if e == "flower" else f"rfedray-{e}" for e in engines]  # ray-before -> rfedray-ray-before
     for workload, n in sorted({(w, n) for w, n, _ in groups}, key=lambda wn: (wn[0] != "fedpca", wn[1])):
         flower = (workload, n, "flower")
         for engine in order:
