@@ -30,6 +30,10 @@ LOCAL_OBJECT_STORE_BYTES = 200 * 1024**2
 TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 """The logger of Ray's "Token authentication is enabled for this Ray cluster" warning."""
 
+LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
+"""Ray settings of an instance the driver starts itself: no idle worker started ahead for the driver
+(the client actors start their own workers; an idle one held ~80 MiB for the whole run)."""
+
 CONNECT_TIMEOUT_S = 5.0
 REAPER_WAIT_S = 5.0
 """How long closing a local Ray instance waits for the reaper (:mod:`actors.reaper`) to finish."""
@@ -97,7 +101,7 @@ class RaySession:
             try:
                 _init_ray(
                     address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                    log_to_driver=False, logging_level=logging.WARNING,
+                    log_to_driver=False, logging_level=logging.WARNING, _system_config=LOCAL_SYSTEM_CONFIG,
                 )
             except BaseException:
                 reaper.stdin.close()

@@ -19,7 +19,7 @@ line, with evaluation off for Flower and at the last round only for rfedray. Per
 
 * start-up: process start to the end of the first round (Flower: its first ``aggregate_fit``;
   rfedray: its first line of ``metrics.jsonl``), and for rfedray the phases its ``--verbose`` log
-  times (imports, federation prepared, Ray started, client actors up, evaluation data ready);
+  times (imports, federation prepared, Ray started, client actors up);
 * round: the median of rounds 2..R (rfedray's ``round_seconds``; Flower's time between consecutive
   ``aggregate_fit`` ends);
 * peak RSS: the largest sum of the resident set sizes of every process of the run (driver, actors,
