@@ -2,7 +2,8 @@
 
 * :mod:`actors.driver`: connects to (or starts) Ray, starts the server actor and follows its
   progress (the driver process); on a Ray instance it starts itself (one machine) it does the
-  server's part itself (:func:`~actors.server_actor.serve`), ledger and one block of clients included.
+  server's part itself (:func:`~actors.server_actor.serve`), ledger included; the clients are
+  always on client actors (the server's process never holds a client's records).
 * :mod:`actors.session`: this process's connection to Ray (a cluster, or a local instance).
 * :mod:`actors.engine`: the Ray executor, a cohort's training on the client actors within the round
   deadline (:func:`~actors.engine.ray_executor`).

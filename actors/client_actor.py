@@ -43,7 +43,7 @@ from rfedray.federated.client import ClientFailure, LocalPlan, LocalResult
 from rfedray.federated.engine import ClientHost, TaskSpec
 from rfedray.federated.executor import LocalExecutor
 from rfedray.federated.setup import GivenTask, build_dataset, build_model
-from rfedray.task import ClientData, FederatedDataset
+from rfedray.task import ClientData
 from rfedray.threads import use_threads
 
 log = logging.getLogger(__name__)
@@ -122,17 +122,14 @@ class ClientActor:
     given : GivenTask, optional
         The user's model or dataset objects (pickled to this actor), used instead of the
         configuration's; the dataset's clients are loaded here all the same.
-    dataset : FederatedDataset, optional
-        The run's dataset when this process has it already (the driver of a run on one machine,
-        :class:`actors.engine.RayExecutor`); built from ``cfg`` and ``given`` when None.
     """
 
     def __init__(self, cfg: Config, client_ids: Sequence[int], plan: LocalPlan, threads: int,
-                 given: Optional[GivenTask] = None, dataset: Optional[FederatedDataset] = None):
+                 given: Optional[GivenTask] = None):
         use_threads(threads)
         importlib.import_module("torch._dynamo")  # torch.func loads it on first use (seconds): not in round 0's deadline
         self.device = resolve_device(cfg.ray.device)
-        dataset = dataset if dataset is not None else build_dataset(cfg, given)
+        dataset = build_dataset(cfg, given)
         if self.device.type != "cpu":
             dataset = DeviceDataset(dataset, self.device)
         self.client_ids = sorted(int(c) for c in client_ids)

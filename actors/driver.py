@@ -16,8 +16,10 @@ What runs where (``rfedray run --engine ray`` on a Ray cluster it connects to: `
   the server's node and persists ``budget.json`` before each round trains.
 
 When no cluster is given, the driver starts a Ray instance of its own: one machine. It then runs the
-server's part itself, ledger included (:func:`actors.server_actor.serve`), trains the first block of
-clients itself, and only the other blocks are client actors; it shuts that instance down at the end.
+server's part itself, ledger included (:func:`actors.server_actor.serve`): no server or accountant
+actor. The clients are on client actors in both layouts, so the process that runs the server's part
+never holds a client's records (an honest-but-curious server must not). It shuts that instance down
+at the end.
 """
 
 from __future__ import annotations

@@ -19,10 +19,8 @@ On one machine (a Ray instance this process started, :attr:`~actors.session.RayS
 the privacy ledger stays with the loop, in this process: the loop's own
 :class:`~rfedray.federated.resume.WriteAheadLedger`, the one the accountant actor is on a cluster
 (single writer of ``budget.json`` and ``ledger.jsonl``, write-ahead, under the run directory's lock
-token). With the default placement (one block of clients per CPU: ``ray.num_client_actors`` and
-``ray.clients_per_actor`` unset, ``ray.placement: SPREAD``, no GPUs) the first block is trained in
-this process too while the client actors train the others: two processes that import torch fewer
-than on a cluster, where every role is an actor of its own.
+token): no accountant actor. Every client's records stay in the client actors on either layout:
+this process is the server's, which never holds a client's records (the threat model).
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import ray
 
 from actors.accountant_actor import RemoteLedger, start_accountant
-from actors.client_actor import ClientActor, ClientPool, RemoteClientActor, RemoteTaskHostActor, assign_clients
+from actors.client_actor import ClientPool, RemoteClientActor, RemoteTaskHostActor, assign_clients
 from actors.cluster import ClusterShape
 from actors.session import RaySession, check_ray_config, user_code_env
 from rfedray.config import Config, RayConfig
@@ -114,20 +112,18 @@ class ActorCalls:
         return self._inflight[slot], "call"
 
     def run(self, cohort: Sequence[int], call: Callable[[Any, list[int]], ray.ObjectRef],
-            round_index: int, meanwhile: Optional[Callable[[], dict[int, Any]]] = None) -> dict[int, Any]:
+            round_index: int) -> dict[int, Any]:
         """``call(actor, members)`` on every actor hosting clients of ``cohort``; each client's answer.
 
         Each actor gets one call. It waits, within the deadline, for the actor to be ready: for
         its call of an earlier round to end, for Ray to restart it, or for a re-created actor to
         start. A call that fails (the actor died during it, or the call errored) and a call
         without answer at the deadline make the actor's clients dropouts of the round.
-        ``meanwhile`` (the clients this process hosts) runs once every actor has its call.
 
         Returns
         -------
         dict
-            Per client of ``cohort``, by actor, what the call answered for it or a ClientFailure,
-            and what ``meanwhile`` answered.
+            Per client of ``cohort``, by actor, what the call answered for it or a ClientFailure.
         """
         groups = self.pool.group(cohort)
         deadline = time.monotonic() + self.timeout_s
@@ -141,7 +137,6 @@ class ActorCalls:
 
         for slot in groups:
             advance(slot)
-        results: dict[int, Any] = meanwhile() if meanwhile is not None else {}
         while waiting and (remaining := deadline - time.monotonic()) > 0:
             for ref in ray.wait(list(waiting), num_returns=1, timeout=remaining)[0]:
                 slot, kind = waiting.pop(ref)
@@ -151,12 +146,8 @@ class ActorCalls:
                 if kind == "probe" and isinstance(self._outcome(slot, ref), str) and slot in self._restarting:
                     time.sleep(min(PROBE_INTERVAL_S, max(0.0, deadline - time.monotonic())))
                 advance(slot)
-        for ref in ray.wait(list(waiting), num_returns=len(waiting), timeout=0)[0] if waiting else ():
-            slot, kind = waiting[ref]  # answered by the deadline while ``meanwhile`` ran in this process
-            if kind == "call":
-                del waiting[ref]
-                answers[slot] = self._outcome(slot, self._inflight.pop(slot))
         late = {slot: f"{LATE[kind]} at ray.round_timeout_s={self.timeout_s:g}" for slot, kind in waiting.values()}
+        results: dict[int, Any] = {}
         for slot, members in sorted(groups.items()):
             answer = answers[slot] if slot in answers else late[slot]
             if isinstance(answer, str):
@@ -174,8 +165,8 @@ class RayExecutor:
     Parameters
     ----------
     session : RaySession
-        On :attr:`~actors.session.RaySession.one_machine`, the ledger and the first block of clients
-        stay in this process (see the module docstring).
+        On :attr:`~actors.session.RaySession.one_machine`, the ledger stays in this process (see
+        the module docstring).
     timeout_s : float
         The round deadline, ``ray.round_timeout_s``.
     runtime_env : dict, optional
@@ -186,14 +177,7 @@ class RayExecutor:
         self.session, self.timeout_s, self.runtime_env = session, timeout_s, runtime_env
         self.pool: Optional[ClientPool] = None
         self.calls: Optional[ActorCalls] = None
-        self.here: Optional[ClientActor] = None
         self.accountant = None
-
-    def _trains_here(self, fed: Federation) -> bool:
-        """Whether this process trains the first block of clients (one machine, default placement)."""
-        r = fed.cfg.ray
-        return (self.session.one_machine and r.num_client_actors is None and r.clients_per_actor == 0
-                and r.num_gpus_per_actor == 0 and r.placement == "SPREAD")
 
     def start(self, fed: Federation) -> list[dict]:
         """Start the client actors and, for a private run off one machine, the accountant; wait until they are up.
@@ -201,21 +185,17 @@ class RayExecutor:
         Returns
         -------
         list of dict
-            :meth:`~actors.client_actor.ClientActor.describe` of every client actor (the block
-            trained in this process first, marked ``in_driver``).
+            Every client actor's :meth:`~actors.client_actor.ClientActor.describe`.
         """
         cfg = fed.cfg
         shape = ClusterShape.discover()
         blocks = assign_clients(cfg.federation.n_clients, cfg.ray, ray.cluster_resources().get("CPU", 0.0))
-        first = blocks.pop(0) if self._trains_here(fed) else None
         shape.check(cfg, len(blocks))
         threads = choose_threads(cfg.federation.batch_size, fed.dataset.info.get("record_shape", ()),
                                  max(1, int(cfg.ray.num_cpus_per_actor)), cfg.run.threads)
         args = {"cfg": cfg, "plan": local_plan(cfg, fed.privacy), "threads": threads, "given": fed.given}
         self.pool = ClientPool(cfg, blocks, shape, RemoteClientActor, args, self.runtime_env)
         self.calls = ActorCalls(self.pool, self.timeout_s)
-        if first is not None:
-            self.here = ClientActor(client_ids=first, dataset=fed.dataset, **args)
         if fed.privacy.private and not self.session.one_machine:  # else the loop's own WriteAheadLedger, here
             fingerprint = accounting_fingerprint(cfg, fed.privacy, fed.sizes)
             self.accountant = start_accountant(fed.make_ledger(), fingerprint, fed.run_dir)
@@ -225,42 +205,30 @@ class RayExecutor:
                 raise RfedrayError(f"the privacy accountant actor did not start ({type(exc).__name__}): "
                                    f"{str(exc).strip().splitlines()[-1]}") from None
             fed.ledger_factory = lambda: RemoteLedger(self.accountant)
-        described = self._here_described() + self.pool.wait_ready()
+        described = self.pool.wait_ready()
         log_startup("client actors up")
         return described
 
-    def _here_described(self) -> list[dict]:
-        return [dict(self.here.describe(), in_driver=True)] if self.here is not None else []
-
     def describe(self) -> list[dict]:
         """Every client actor's :meth:`~actors.client_actor.ClientActor.describe` (waits for it)."""
-        return self._here_described() + ray.get([a.describe.remote() for a in self.pool.actors])
+        return ray.get([a.describe.remote() for a in self.pool.actors])
 
     def train(
         self, cohort: Sequence[int], theta: Params, round_index: int, states: Mapping[int, dict]
     ) -> dict[int, LocalResult | ClientFailure]:
         """Local training of ``cohort`` on the actors hosting it, within the round deadline
-        (:meth:`ActorCalls.run`); the clients hosted in this process (one machine) are trained here
-        while the actors train theirs."""
-        here = set(self.here.client_ids) if self.here is not None else set()
-        mine = [cid for cid in cohort if cid in here]
-        theta_ref = ray.put(theta) if len(mine) < len(cohort) else None
+        (:meth:`ActorCalls.run`)."""
+        theta_ref = ray.put(theta)
 
         def train(actor, members: list[int]) -> ray.ObjectRef:
             return actor.train.remote(members, theta_ref, round_index, {c: states.get(c) for c in members})
 
-        def train_here() -> dict[int, LocalResult | ClientFailure]:
-            return self.here.train(mine, theta, round_index, {c: states.get(c) for c in mine})
-
-        results = self.calls.run([cid for cid in cohort if cid not in here], train, round_index,
-                                 meanwhile=train_here if mine else None)
-        return {cid: results[cid] for cid in cohort}
+        return self.calls.run(cohort, train, round_index)
 
     def close(self) -> None:
         """Stop the actors; shut Ray down if this run started it."""
         if self.pool is not None:
             self.pool.close()
-        self.here = None
         if self.accountant is not None:
             ray.kill(self.accountant, no_restart=True)
         self.session.close()

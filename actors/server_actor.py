@@ -17,7 +17,8 @@ What runs where (``rfedray run`` with ``run.engine: ray``):
 
 When the driver starts a Ray instance itself, the run is on one machine: the driver runs
 :func:`serve` in its own process, with the ledger there too (no server or accountant actor: two
-processes and their memory fewer); only clients train in actors (:mod:`actors.engine`).
+processes and their memory fewer); the clients train in client actors as on a cluster, so the
+server's process holds no client's records in either layout (:mod:`actors.engine`).
 
 A server that dies loses nothing that ``rfedray run --resume RUN_DIR`` needs: the checkpoint and the
 write-ahead ``budget.json`` are on the driver's disk.
@@ -102,8 +103,8 @@ def serve(fed: Federation, session: RaySession, *, resume: bool, runtime_env: Op
     fed : Federation
         Prepared in this process; its observers get every round record and the summary.
     session : RaySession
-        This process's connection to Ray; on one machine the ledger and a block of clients stay in
-        this process (:class:`actors.engine.RayExecutor`), else the ledger is an accountant actor.
+        This process's connection to Ray; on one machine the ledger stays in this process
+        (:class:`actors.engine.RayExecutor`), else the ledger is an accountant actor.
     resume : bool
     runtime_env : dict, optional
         Of the client actors (by default :func:`~actors.session.user_code_env` of ``fed``).

@@ -6,8 +6,8 @@ on both engines). Both engines hold every client's data before the timed rounds 
 clients are built beforehand, the Ray engine's when their actors start, each trained once,
 k at a time, untimed),
 and round 0 is left out (first-call costs). The Ray engine runs in the layout of ``rfedray run`` on
-one machine (a Ray instance started for each measurement; the ledger and one block of clients in
-this process, the other blocks in client actors), or with ``--cluster-layout`` in the layout on a
+one machine (a Ray instance started for each measurement; the loop and the ledger in this
+process, every client in a client actor), or with ``--cluster-layout`` in the layout on a
 cluster (one Ray instance for the whole run; an accountant actor, every client in a client actor).
 This process runs torch with as many threads
 as each client actor (1 by default): with 2 threads on 2 busy cores, intra-op threads wait for
@@ -147,7 +147,7 @@ def main() -> None:
                  log_to_driver=False)
     cpus = psutil.cpu_count()
     layout = ("cluster layout: min(n, CPUs) client actors" if args.cluster_layout
-              else "one-machine layout: a block of clients here, min(n, CPUs) - 1 client actors")
+              else "one-machine layout: the ledger here, min(n, CPUs) client actors")
     print(f"# {cpus} CPUs, load average {psutil.getloadavg()[0]:.1f}, {args.threads} torch thread(s) here; "
           f"Ray engine in the {layout} of 1 thread")
     print(f"{'n':>5} {'k':>4} {'local s':>9} {'ray s':>9} {'ratio':>6} {'train local':>12} {'train ray':>10} "

@@ -17,7 +17,7 @@ this folder or a study of the library:
   (``bench_engines``; clients of m = 1000, tau = 5, B = 50), and at n = 100 with the paper's Table 4
   clients. Wall time (the Ray engine's work is in other processes). The Ray engine runs in the
   layout of ``rfedray run`` on one machine (a Ray instance of its own for each measurement; the
-  ledger and a block of clients in this process).
+  loop and the ledger in this process, the clients in client actors).
 * ``scaling``: the Ray engine's round time and the memory of all its processes as n grows from 10
   to 1,000 clients at k = 10 (``bench_engines``), in two passes over n (the faster median round
   time and the larger peak memory of the two are kept).

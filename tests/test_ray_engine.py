@@ -17,6 +17,7 @@ import pytest
 import ray
 import torch
 
+import rfedray
 from actors.accountant_actor import RemoteLedger, start_accountant
 from actors.client_actor import assign_clients
 from actors.engine import ray_executor
@@ -215,14 +216,69 @@ def session_actors(sid: int) -> set[str]:
     return names
 
 
-def test_a_run_on_its_own_ray_instance_serves_and_trains_a_block_in_the_driver(tmp_path):
-    """One machine: the driver runs the loop, keeps the ledger and trains the first block; the other
-    block is a client actor; no server or accountant actor; the local engine's model, bit for bit."""
-    overrides = ["privacy.accountant=exact", "run.rounds=4", "run.checkpoint_every=2"]
-    local, theta_local, rd_local = run_engine(tmp_path, "local", *overrides, engine="local")
+MARKED_PCA = """
+import os
+from pathlib import Path
+
+from rfedray.data.synthetic_pca import Options, SyntheticPCA
+
+
+class MarkedPCA(SyntheticPCA):
+    \"\"\"Synthetic PCA clients that leave a mark naming the process that loads a client's records.\"\"\"
+
+    def __init__(self, marks):
+        super().__init__(Options(d=12, p=2, records_per_client=300), n_clients=6, seed=0)
+        self.marks = marks
+
+    def client_data(self, client_id):
+        Path(self.marks, f"{client_id}-{os.getpid()}").touch()
+        return super().client_data(client_id)
+"""
+
+ONE_MACHINE_RUN = """
+import sys
+
+sys.path.insert(0, sys.argv[1])
+import rfedray
+from marked_pca import MarkedPCA
+
+result = rfedray.run(None, *sys.argv[4:], dataset=MarkedPCA(sys.argv[2]), engine="ray", quiet=True)
+print(result.run_dir)
+"""
+
+
+def client_loads(marks: Path) -> dict[int, set[int]]:
+    """The processes that loaded each client's records (the marks cleared)."""
+    loads: dict[int, set[int]] = {}
+    for mark in marks.iterdir():
+        client, pid = (int(v) for v in mark.name.split("-"))
+        loads.setdefault(client, set()).add(pid)
+        mark.unlink()
+    return loads
+
+
+def test_a_run_on_its_own_ray_instance_serves_in_the_driver_and_loads_no_client_there(tmp_path):
+    """One machine: the driver runs the loop and keeps the ledger (no server or accountant actor),
+    but never loads a client's records: every client is loaded where a client actor hosts it (the
+    threat model's server holds no records); the local engine's model and epsilon, bit for bit."""
+    code, marks = tmp_path / "code", tmp_path / "marks"
+    code.mkdir(), marks.mkdir()
+    (code / "marked_pca.py").write_text(MARKED_PCA)
+    sys.path.insert(0, str(code))
+    try:
+        from marked_pca import MarkedPCA
+
+        common = [*SMALL, "privacy.accountant=exact", "run.rounds=4", "run.checkpoint_every=2"]
+        local = rfedray.run(None, *common, f"run.output_dir={tmp_path / 'local'}", dataset=MarkedPCA(str(marks)),
+                            engine="local", quiet=True)
+    finally:
+        sys.path.remove(str(code))
+        sys.modules.pop("marked_pca", None)
+    assert set().union(*client_loads(marks).values()) == {os.getpid()}  # the local engine: in its one process
+
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen([sys.executable, "-m", "rfedray.cli", "run", *SMALL, *overrides, "ray.max_restarts=0",
-                             f"run.output_dir={tmp_path / 'cli'}", "--engine", "ray", "--quiet"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-c", ONE_MACHINE_RUN, str(code), str(marks), "--", *common,
+                             "ray.max_restarts=0", f"run.output_dir={tmp_path / 'ray'}"], cwd=ROOT, env=env,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     seen = set()
     while proc.poll() is None:
@@ -230,17 +286,18 @@ def test_a_run_on_its_own_ray_instance_serves_and_trains_a_block_in_the_driver(t
         time.sleep(0.05)
     out, err = proc.communicate()
     assert proc.returncode == 0, err
-    run_dir = RunDirectory(out.splitlines()[0])
+    run_dir = RunDirectory(out.splitlines()[-1])
     placement = json.loads((run_dir.path / "placement.json").read_text())
     assert placement["server"]["pid"] == proc.pid and placement["server"]["accountant"] == "in this process"
-    here, actor = placement["client_actors"]
-    assert here["pid"] == proc.pid and here["in_driver"] and here["clients"] == [0, 1, 2]
-    assert actor["pid"] != proc.pid and actor["clients"] == [3, 4, 5] and actor["threads"] == 1
+    assert [a["clients"] for a in placement["client_actors"]] == [[0, 1, 2], [3, 4, 5]]
+    host = {c: actor["pid"] for actor in placement["client_actors"] for c in actor["clients"]}
+    assert proc.pid not in host.values() and all(a["threads"] == 1 for a in placement["client_actors"])
+    assert client_loads(marks) == {c: {pid} for c, pid in host.items()}  # each client where hosted, none in the driver
     assert "ray::ClientActor" in seen and not seen & {"ray::ServerActor", "ray::AccountantActor"}, seen
     theta = torch.load(run_dir.final_model)
-    assert all(torch.equal(theta_local[k], theta[k]) for k in theta_local)
+    assert all(torch.equal(local.final_params[k], theta[k]) for k in local.final_params)
     summary = json.loads(run_dir.summary.read_text())
-    assert summary["epsilon_spent"] == local["epsilon_spent"] > 0 and summary["engine"] == "ray"
+    assert summary["epsilon_spent"] == local.summary["epsilon_spent"] > 0 and summary["engine"] == "ray"
     assert sum(json.loads(run_dir.budget.read_text())["ledger"]["participations"]) == 4 * 3
 
 

@@ -1,7 +1,6 @@
 """500 simulated clients on the Ray engine on one small machine (slow).
 
-Two blocks of 250 clients each (default: one block per CPU; on the Ray instance the engine starts
-itself, one block in the driver and one in a client actor); 50 clients per round. The
+Two client actors host 250 clients each (default: one actor per CPU); 50 clients per round. The
 memory of every Ray process (the driver and all the processes the engine's Ray instance runs) must
 stay under 6 GiB.
 """
