@@ -362,17 +362,21 @@ def to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def _choice(fieldname: str, value: Any, allowed: tuple) -> None:
+def choice(fieldname: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise ConfigError(fieldname, value, "must be one of " + ", ".join(allowed) + closest(str(value), list(allowed)).replace("did you mean", "closest"))
 
 
-def _positive_int(fieldname: str, value: int) -> None:
-    if value < 1:
-        raise ConfigError(fieldname, value, "must be an integer >= 1")
+def at_least(fieldname: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(fieldname, value, f"must be an integer >= {low}")
 
 
-def _positive(fieldname: str, value: float) -> None:
+def positive_int(fieldname: str, value: int) -> None:
+    at_least(fieldname, value, 1)
+
+
+def positive(fieldname: str, value: float) -> None:
     if not (value > 0 and math.isfinite(value)):
         raise ConfigError(fieldname, value, "must be a finite number > 0")
 
@@ -388,12 +392,12 @@ def check_noise_seed(fieldname: str, seed: Optional[int]) -> None:
 def validate(cfg: Config) -> None:
     """Check every field and the cross-field rules; raise :class:`ConfigError` on the first problem."""
     r, fed, p, agg = cfg.run, cfg.federation, cfg.privacy, cfg.aggregation
-    _choice("run.engine", r.engine, ENGINES)
-    _positive_int("run.rounds", r.rounds)
-    _positive_int("run.checkpoint_every", r.checkpoint_every)
-    _positive_int("run.evaluate_every", r.evaluate_every)
+    choice("run.engine", r.engine, ENGINES)
+    positive_int("run.rounds", r.rounds)
+    positive_int("run.checkpoint_every", r.checkpoint_every)
+    positive_int("run.evaluate_every", r.evaluate_every)
     if r.threads is not None:
-        _positive_int("run.threads", r.threads)
+        positive_int("run.threads", r.threads)
     if not 0 <= r.seed <= MAX_SEED:
         raise ConfigError("run.seed", r.seed, f"must be an integer in [0, {MAX_SEED}]")
     if not isinstance(r.name, str) or not RUN_NAME.match(r.name):
@@ -402,18 +406,18 @@ def validate(cfg: Config) -> None:
     if not r.output_dir:
         raise ConfigError("run.output_dir", r.output_dir, "must be a non-empty path")
 
-    _positive_int("federation.n_clients", fed.n_clients)
+    positive_int("federation.n_clients", fed.n_clients)
     if fed.n_clients > MAX_CLIENTS:
         raise ConfigError("federation.n_clients", fed.n_clients,
                           f"must be at most {MAX_CLIENTS} (every round rewrites each client's budget in budget.json)")
-    _positive_int("federation.clients_per_round", fed.clients_per_round)
+    positive_int("federation.clients_per_round", fed.clients_per_round)
     if fed.clients_per_round > fed.n_clients:
         raise ConfigError(
             "federation.clients_per_round", fed.clients_per_round,
             f"must be between 1 and federation.n_clients ({fed.n_clients})",
         )
-    _positive_int("federation.local_steps", fed.local_steps)
-    _positive_int("federation.batch_size", fed.batch_size)
+    positive_int("federation.local_steps", fed.local_steps)
+    positive_int("federation.batch_size", fed.batch_size)
 
     if p.accountant in APPROXIMATE_ACCOUNTANTS:
         raise ConfigError(
@@ -421,10 +425,10 @@ def validate(cfg: Config) -> None:
             f"must be one of {', '.join(ACCOUNTANTS)}: {p.accountant} is an approximation, not an upper bound on epsilon, "
             "so it cannot calibrate, charge or halt a run (read budgets with it: rfedray privacy epsilon --accountant clt)",
         )
-    _choice("privacy.accountant", p.accountant, ACCOUNTANTS)
+    choice("privacy.accountant", p.accountant, ACCOUNTANTS)
     if not (0.0 < p.delta < 1.0):
         raise ConfigError("privacy.delta", p.delta, "must be in the open interval (0, 1)")
-    _positive("privacy.clip", p.clip)
+    positive("privacy.clip", p.clip)
     if p.clip_shares is not None:
         from rfedray.privacy.checks import PrivacyParameterError
         from rfedray.privacy.mechanism import ClipShares
@@ -434,51 +438,51 @@ def validate(cfg: Config) -> None:
         except PrivacyParameterError as exc:
             raise ConfigError(f"privacy.{exc.name}", exc.value, exc.allowed) from None
     if p.epsilon is not None:
-        _positive("privacy.epsilon", p.epsilon)
+        positive("privacy.epsilon", p.epsilon)
     if p.sigma is not None:
-        _positive("privacy.sigma", p.sigma)
+        positive("privacy.sigma", p.sigma)
     if p.enabled and p.epsilon is None and p.sigma is None:
         raise ConfigError("privacy.epsilon", None, "give a target epsilon (sigma is then calibrated) or a sigma")
     check_noise_seed("privacy.noise_seed", p.noise_seed)
 
-    _choice("aggregation.scheme", agg.scheme, SCHEMES)
-    _choice("aggregation.weighting", agg.weighting, WEIGHTINGS)
-    _choice("aggregation.retraction", agg.retraction, RETRACTIONS)
+    choice("aggregation.scheme", agg.scheme, SCHEMES)
+    choice("aggregation.weighting", agg.weighting, WEIGHTINGS)
+    choice("aggregation.retraction", agg.retraction, RETRACTIONS)
 
     if not cfg.optim:
         raise ConfigError("optim", {}, "needs at least a 'default' optimiser")
     for group, opt in cfg.optim.items():
         base = f"optim.{group}"
-        _choice(f"{base}.name", opt.name, OPTIMIZERS)
-        _positive(f"{base}.lr", opt.lr)
+        choice(f"{base}.name", opt.name, OPTIMIZERS)
+        positive(f"{base}.lr", opt.lr)
         if not (0.0 <= opt.momentum < 1.0):
             raise ConfigError(f"{base}.momentum", opt.momentum, "must be in [0, 1)")
         for b in ("beta1", "beta2"):
             if not (0.0 <= getattr(opt, b) < 1.0):
                 raise ConfigError(f"{base}.{b}", getattr(opt, b), "must be in [0, 1)")
-        _positive(f"{base}.eps", opt.eps)
+        positive(f"{base}.eps", opt.eps)
         if opt.weight_decay < 0:
             raise ConfigError(f"{base}.weight_decay", opt.weight_decay, "must be >= 0")
-        _choice(f"{base}.schedule", opt.schedule, SCHEDULES)
-        _positive_int(f"{base}.step_size", opt.step_size)
+        choice(f"{base}.schedule", opt.schedule, SCHEDULES)
+        positive_int(f"{base}.step_size", opt.step_size)
         if not (0.0 < opt.gamma <= 1.0):
             raise ConfigError(f"{base}.gamma", opt.gamma, "must be in (0, 1]")
 
     ray = cfg.ray
     if ray.num_client_actors is not None:
-        _positive_int("ray.num_client_actors", ray.num_client_actors)
+        positive_int("ray.num_client_actors", ray.num_client_actors)
     if ray.clients_per_actor < 0:
         raise ConfigError("ray.clients_per_actor", ray.clients_per_actor, "must be >= 0 (0 spreads clients evenly over the actors)")
     if ray.num_cpus_per_actor < 0:
         raise ConfigError("ray.num_cpus_per_actor", ray.num_cpus_per_actor, "must be >= 0")
     if ray.num_gpus_per_actor < 0:
         raise ConfigError("ray.num_gpus_per_actor", ray.num_gpus_per_actor, "must be >= 0 (fractions pack actors on a GPU)")
-    _choice("ray.placement", ray.placement, PLACEMENTS)
-    _positive("ray.round_timeout_s", ray.round_timeout_s)
-    _positive("ray.actor_start_timeout_s", ray.actor_start_timeout_s)
+    choice("ray.placement", ray.placement, PLACEMENTS)
+    positive("ray.round_timeout_s", ray.round_timeout_s)
+    positive("ray.actor_start_timeout_s", ray.actor_start_timeout_s)
     if ray.max_restarts < -1:
         raise ConfigError("ray.max_restarts", ray.max_restarts, "must be >= -1 (-1 restarts forever)")
-    _choice("ray.device", ray.device, DEVICES)
+    choice("ray.device", ray.device, DEVICES)
 
     mon = cfg.monitoring
     if mon.metrics_port is not None and not (0 <= mon.metrics_port <= 65535):

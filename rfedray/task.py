@@ -24,6 +24,11 @@ from torch import Tensor
 Params = dict[str, Tensor]
 
 
+def initial_theta(model: "FederatedModel", seed: int) -> Params:
+    """theta_0 of a run of seed ``seed`` (the same on every engine and in every system)."""
+    return model.init_params(torch.Generator().manual_seed(seed * 7919 + 17))
+
+
 @dataclass
 class ClientData:
     """One client's private records and its own held-out test records (both stay on the client).

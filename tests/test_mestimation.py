@@ -11,7 +11,7 @@ import torch
 from rfedray.data import sklearn_data, vision
 from rfedray.federated.engine import LocalEngine, TaskSpec
 from rfedray.mestimation.local import VmapHessian, newton_direction, private_hessian
-from rfedray.mestimation.runner import PrivacySpec, pooled_m_estimator, run_strategy
+from rfedray.mestimation.runner import pooled_m_estimator, run_strategy
 from rfedray.mestimation.strategies import FedAvg, FedHybrid, FedNewton, FedSGD
 from rfedray.privacy.mechanism import noise_generator
 from rfedray.models.logreg import LogisticRegression, build as build_glm, Options as GLMOptions
@@ -102,10 +102,10 @@ def test_private_hessian_clips_each_record_and_stays_symmetric():
         newton_direction(torch.eye(2), torch.ones(2), floor=0.0)
 
 
-def _run(task, strategy, rounds, privacy=PrivacySpec()):
+def _run(task, strategy, rounds, **privacy):
     dataset, model, ref = task
     return run_strategy(strategy, LocalEngine(dataset, model), model, dataset, rounds=rounds, clients_per_round=3,
-                        batch_size=1500, privacy=privacy, reference=ref)
+                        batch_size=1500, reference=ref, **privacy)
 
 
 def test_nonprivate_claims_newton_fast_and_hybrid_less_biased_than_fedavg(task):
@@ -118,17 +118,17 @@ def test_nonprivate_claims_newton_fast_and_hybrid_less_biased_than_fedavg(task):
 
 
 def test_private_run_charges_every_step_and_halts_at_the_target(task):
-    result = _run(task, FedAvg(5, 2.0), 4, PrivacySpec(epsilon=2.0, noise_seed=3))
+    result = _run(task, FedAvg(5, 2.0), 4, epsilon=2.0, noise_seed=3)
     s = result["summary"]
     assert s["private_steps_per_client"] == 20 and s["epsilon_spent"] <= 2.0 + 1e-6 and s["epsilon_spent"] > 1.5
     assert not s["halted"] and s["not_for_production"]
-    halted = _run(task, FedSGD(2.0), 6, PrivacySpec(epsilon=0.5, noise_multiplier=0.002, noise_seed=3))["summary"]
+    halted = _run(task, FedSGD(2.0), 6, epsilon=0.5, noise_multiplier=0.002, noise_seed=3)["summary"]
     assert halted["halted"] and halted["rounds_completed"] < 6
 
 
 def test_newton_pair_costs_one_step(task):
-    newton = _run(task, FedNewton(floor=0.05), 2, PrivacySpec(epsilon=4.0, noise_seed=0))["summary"]
-    sgd = _run(task, FedSGD(1.0), 2, PrivacySpec(epsilon=4.0, noise_seed=0))["summary"]
+    newton = _run(task, FedNewton(floor=0.05), 2, epsilon=4.0, noise_seed=0)["summary"]
+    sgd = _run(task, FedSGD(1.0), 2, epsilon=4.0, noise_seed=0)["summary"]
     assert newton["noise_multiplier"] == pytest.approx(sgd["noise_multiplier"])
     assert newton["epsilon_spent"] == pytest.approx(sgd["epsilon_spent"])
 
@@ -171,11 +171,11 @@ def test_ray_engine_matches_local(task):
     engine = ray_task_engine(SPEC, SPEC.n_clients, num_hosts=2)
     try:
         ray_run = run_strategy(FedSGD(2.0), engine, model, dataset, rounds=3, clients_per_round=3, batch_size=100,
-                               privacy=PrivacySpec(epsilon=4.0, noise_seed=5), reference=ref)
+                               epsilon=4.0, noise_seed=5, reference=ref)
     finally:
         engine.close()
     local = run_strategy(FedSGD(2.0), LocalEngine(dataset, model), model, dataset, rounds=3, clients_per_round=3,
-                         batch_size=100, privacy=PrivacySpec(epsilon=4.0, noise_seed=5), reference=ref)
+                         batch_size=100, epsilon=4.0, noise_seed=5, reference=ref)
     for k in local["theta"]:
         assert torch.equal(ray_run["theta"][k], local["theta"][k])  # the same bits: answers in cohort order
 

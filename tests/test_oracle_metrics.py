@@ -14,7 +14,7 @@ from rfedray.config import load_config
 from rfedray.federated.loop import run_federation
 from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.engine import LocalEngine, TaskSpec
-from rfedray.mestimation.runner import PrivacySpec, pooled_m_estimator, run_strategy
+from rfedray.mestimation.runner import pooled_m_estimator, run_strategy
 from rfedray.mestimation.strategies import FedSGD
 from rfedray.observers import MetricsObserver, ProgressObserver
 
@@ -78,6 +78,6 @@ def test_m_estimation_error_against_the_pooled_estimator_is_an_oracle_metric():
     dataset = spec.build_dataset()
     model = spec.build_model(dataset.info)
     result = run_strategy(FedSGD(lr=1.0), LocalEngine(dataset, model), model, dataset, rounds=2, clients_per_round=2,
-                          batch_size=100, privacy=PrivacySpec(), reference=pooled_m_estimator(model, dataset.pooled_train()))
+                          batch_size=100, reference=pooled_m_estimator(model, dataset.pooled_train()))
     assert all("oracle_error" in r and "error" not in r for r in result["history"])
     assert result["summary"]["oracle_metrics"] is True and "oracle_error" in result["summary"]["final_metrics"]

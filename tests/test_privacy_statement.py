@@ -20,7 +20,7 @@ from rfedray.data.validation import first_nonfinite, spd_problem
 from rfedray.federated.loop import run_federation
 from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.engine import LocalEngine, TaskSpec
-from rfedray.mestimation.runner import PrivacySpec, run_strategy
+from rfedray.mestimation.runner import run_strategy
 from rfedray.mestimation.strategies import FedSGD
 from rfedray.privacy.statement import statement
 
@@ -85,7 +85,7 @@ def test_m_estimation_and_ddpsa_summaries_state_it_too():
     dataset = spec.build_dataset()
     model = spec.build_model(dataset.info)
     newton = run_strategy(FedSGD(lr=0.5), LocalEngine(dataset, model), model, dataset, rounds=2, clients_per_round=2,
-                          batch_size=50, privacy=PrivacySpec(epsilon=2.0, noise_seed=1))["summary"]
+                          batch_size=50, epsilon=2.0, noise_seed=1)["summary"]
     ddpsa = run_ddpsa(StaticClip(0.3), LocalEngine(dataset, model), LocalAggregators(3), model, dataset, rounds=2,
                       clients_per_round=2, batch_size=50, lr=0.5, epsilon=2.0, noise_seed=0, patience=2)["summary"]
     for summary in (newton, ddpsa):

@@ -11,7 +11,7 @@ import pytest
 
 from rfedray import cli
 from rfedray.config import ConfigError, load_config
-from rfedray.mestimation.runner import PrivacySpec, run_strategy
+from rfedray.mestimation.runner import run_strategy
 from rfedray.privacy.accountants import (
     ACCOUNTANTS, UPPER_BOUNDS, CLTAccountant, ExactAccountant, calibrate_sigma,
 )
@@ -58,7 +58,7 @@ def test_mestimation_refuses_the_clt_accountant():
     model = spec.build_model(dataset.info)
     with pytest.raises(PrivacyParameterError, match="accountant='clt'"):
         run_strategy(FedSGD(0.1), LocalEngine(dataset, model), model, dataset, rounds=2, clients_per_round=2,
-                     batch_size=10, privacy=PrivacySpec(epsilon=1.0, accountant="clt"), seed=0)
+                     batch_size=10, epsilon=1.0, accountant="clt", seed=0)
 
 
 def test_privacy_calibrate_refuses_clt_and_epsilon_labels_it(capsys):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -27,15 +26,14 @@ import torch
 from rfedray.ddpsa.mechanism import ClipPolicy, ddpsa_step, layers_of
 from rfedray.ddpsa.secure_aggregation import AggregatorGroup, FixedPointCodec, collect_sum, send_update
 from rfedray.federated.client import ClientFailure, round_generator
-from rfedray.federated.rounds import Strategy, run_rounds
-from rfedray.federated.engine import Engine, HostedClient
+from rfedray.federated.engine import Engine, HostedClient, check_task_run, run_task_rounds
+from rfedray.federated.rounds import Strategy
 from rfedray.mestimation.local import ParamLayout, StepPlan
-from rfedray.privacy.statement import statement
 from rfedray.privacy import checks
 from rfedray.privacy.accountants import LaplaceAccountant, LaplaceStep, calibrate_noise
 from rfedray.privacy.gdp import gdp_mu
 from rfedray.privacy.plan import LaplaceMechanism, PrivacyPlan
-from rfedray.task import FederatedDataset, FederatedModel, Params
+from rfedray.task import FederatedDataset, FederatedModel, Params, initial_theta
 
 log = logging.getLogger(__name__)
 
@@ -160,11 +158,7 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
     on_round : callable, optional
     """
     sizes = dataset.client_sizes()
-    n = dataset.num_clients
-    if not 2 <= clients_per_round <= n:
-        raise ValueError(f"clients_per_round={clients_per_round}: must be between 2 (secure aggregation) and {n}")
-    if not 1 <= batch_size <= min(sizes):
-        raise ValueError(f"batch_size={batch_size}: must be between 1 and the smallest client's size ({min(sizes)})")
+    check_task_run(sizes, clients_per_round, batch_size, rounds, fewest=2)  # secure aggregation needs 2
     if not lr > 0:
         raise ValueError(f"lr={lr}: must be > 0")
     if patience < 1:
@@ -173,42 +167,31 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
         log.warning("ddpsa.clipping=%s is NOT covered by the record-level guarantee: its clip thresholds are "
                     "unprivatised functions of the records that the run releases; its epsilon is nominal "
                     "(use ddpsa.clipping=private_quantile)", policy.name)
-    theta = model.init_params(torch.Generator().manual_seed(seed * 7919 + 17))
+    theta = initial_theta(model, seed)
     num_layers = len(layers_of(theta))
-    private = epsilon is not None or noise_multiplier is not None
     mechanism = None
-    if private:
+    if epsilon is not None or noise_multiplier is not None:
         if noise_multiplier is None:
             noise_multiplier = calibrate_ddpsa(policy, num_layers, epsilon, delta, rounds, batch_size, min(sizes))
         policy = policy.bind(noise_multiplier)
         mechanism = LaplaceMechanism(step_ratio(policy, num_layers, noise_multiplier), batch_size)
-    ledger = PrivacyPlan(mechanism, "laplace", delta, epsilon, local_steps=1, noise_seed=noise_seed).ledger(sizes)
+    plan = PrivacyPlan(mechanism, "laplace", delta, epsilon, local_steps=1, noise_seed=noise_seed)
     task = DDPSATask(StepPlan(batch_size, 1.0, noise_multiplier, noise_seed), policy, codec, aggregators)
     round_ = DDPSARound(task, engine, model, dataset.eval_data(), lr, min_clients, patience, min_delta)
-    started = time.perf_counter()
-    outcome = run_rounds(round_, ledger, theta, first=0, last=rounds, seed=seed, n_clients=n,
-                         clients_per_round=clients_per_round,
-                         on_round=None if on_round is None else lambda record, theta, auth: on_round(record))
-    history = outcome.records
-    wall = time.perf_counter() - started
-    last = history[-1] if history else {}
-    summary = {
-        **policy.describe(),
-        "covered": policy.covered,
+    outcome, summary = run_task_rounds(round_, plan, theta, sizes, rounds=rounds, seed=seed,
+                                       clients_per_round=clients_per_round, on_round=on_round)
+    last = outcome.records[-1] if outcome.records else {}
+    summary.update({
+        **policy.describe(), "covered": policy.covered,
         "guarantee": "covered" if policy.covered else
                      "NOT covered: clip thresholds are unprivatised medians of the records; epsilon is nominal",
-        "rounds_completed": outcome.rounds_completed, "rounds_planned": rounds,
-        "stopped_early": outcome.stopped_early, "halted": outcome.halted, "halt_reason": outcome.halt_reason,
-        "noise_multiplier": noise_multiplier, "epsilon_target": epsilon, "delta": delta if private else None,
-        "epsilon_spent": ledger.epsilon_spent(), "accountant": "laplace" if private else None,
-        "not_for_production": private and noise_seed is not None,
-        **(statement() if private else {}),
-        "wall_seconds": wall, "seconds_per_round": wall / max(len(history), 1),
+        "stopped_early": outcome.stopped_early, "noise_multiplier": noise_multiplier,
+        "seconds_per_round": summary["wall_seconds"] / max(len(outcome.records), 1),
         "final_metrics": {k: last[k] for k in ("loss", "r2", "param_error") if k in last},
         "secure_aggregation": {"aggregators": aggregators.num_aggregators, "frac_bits": codec.frac_bits,
                                "max_parties": codec.max_parties, "min_clients": min_clients},
-    }
-    return {"history": history, "summary": summary, "theta": outcome.theta}
+    })
+    return {"history": outcome.records, "summary": summary, "theta": outcome.theta}
 
 
 def layout_dtype(theta: Params) -> torch.dtype:

@@ -14,17 +14,22 @@ never a crashed federation).
   restarted by Ray when they die (Ray lives in ``actors/`` only).
 
 The M-estimation strategies (:mod:`rfedray.mestimation`) and DDP-SA (:mod:`rfedray.ddpsa`) run on
-these engines; DP-RFedProj's clients run on :mod:`rfedray.federated.executor` and its Ray executor.
+these engines (:func:`run_task_rounds`: their rounds on the federation loop, charged to their privacy
+plan); DP-RFedProj's clients run on :mod:`rfedray.federated.executor` and its Ray executor.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from rfedray.federated.client import ClientFailure
+from rfedray.federated.rounds import Outcome, Strategy, run_rounds
+from rfedray.privacy.plan import PrivacyPlan
+from rfedray.privacy.statement import statement
 from rfedray.task import ClientData, FederatedDataset, FederatedModel, Params
 
 log = logging.getLogger(__name__)
@@ -135,3 +140,40 @@ class LocalEngine:
 
     def close(self) -> None:
         self.host = None  # type: ignore[assignment]
+
+
+def check_task_run(sizes: Sequence[int], clients_per_round: int, batch_size: int, rounds: int,
+                   fewest: int = 1) -> None:
+    """Refuse a run of ``rounds`` rounds of ``clients_per_round`` clients (at least ``fewest``) drawing
+    ``batch_size`` records from clients of ``sizes`` records (a ValueError naming the argument)."""
+    if not fewest <= clients_per_round <= len(sizes):
+        raise ValueError(f"clients_per_round={clients_per_round}: must be between {fewest} and n_clients ({len(sizes)})")
+    if not 1 <= batch_size <= min(sizes):
+        raise ValueError(f"batch_size={batch_size}: must be between 1 and the smallest client's record count ({min(sizes)})")
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: must be >= 1")
+
+
+def run_task_rounds(strategy: Strategy, plan: PrivacyPlan, theta: Params, sizes: Sequence[int], *, rounds: int,
+                    seed: int, clients_per_round: int,
+                    on_round: Optional[Callable[[dict], None]] = None) -> tuple[Outcome, dict]:
+    """Rounds ``0 .. rounds - 1`` of a client-task ``strategy`` on the federation loop, charged to
+    ``plan.ledger(sizes)``; the outcome and the summary every such run writes (rounds, halt, the
+    privacy spent and what it covers, wall time), which the system completes.
+
+    ``on_round`` receives every round's record.
+    """
+    ledger = plan.ledger(sizes)
+    started = time.perf_counter()
+    outcome = run_rounds(strategy, ledger, theta, first=0, last=rounds, seed=seed, n_clients=len(sizes),
+                         clients_per_round=clients_per_round,
+                         on_round=None if on_round is None else lambda record, theta, auth: on_round(record))
+    private = plan.private
+    return outcome, {
+        "rounds_completed": outcome.rounds_completed, "rounds_planned": rounds,
+        "halted": outcome.halted, "halt_reason": outcome.halt_reason,
+        "epsilon_target": plan.epsilon_target, "delta": plan.delta if private else None,
+        "epsilon_spent": ledger.epsilon_spent(), "accountant": plan.accountant if private else None,
+        **(statement() if private else {}), "not_for_production": private and plan.noise_seed is not None,
+        "wall_seconds": time.perf_counter() - started,
+    }

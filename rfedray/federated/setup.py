@@ -19,7 +19,7 @@ from rfedray.geometry import STIEFEL_RETRACTIONS, Stiefel
 from rfedray.privacy.checks import PrivacyParameterError
 from rfedray.privacy.mechanism import ClipShares
 from rfedray.privacy.plan import GaussianMechanism, PrivacyPlan
-from rfedray.task import FederatedDataset, FederatedModel
+from rfedray.task import FederatedDataset, FederatedModel, initial_theta
 
 
 @dataclass(frozen=True)
@@ -197,5 +197,4 @@ def build_client(cfg: Config, client_id: int, dataset: FederatedDataset, model: 
 
 
 def initial_params(cfg: Config, model: FederatedModel) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(cfg.run.seed * 7919 + 17)
-    return model.init_params(generator)
+    return initial_theta(model, cfg.run.seed)

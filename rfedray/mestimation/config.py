@@ -11,14 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-from rfedray.config import check_noise_seed, read_layers, structured
+from rfedray.config import ENGINES, at_least, check_noise_seed, choice, positive, positive_int, read_layers, structured
 from rfedray.errors import ConfigError
 
 DATA_MODULES = {"sklearn": "rfedray.data.sklearn_data", "vision": "rfedray.data.vision"}
 MODEL_MODULES = {"logreg": "rfedray.models.logreg", "mlp": "rfedray.models.mlp"}
 STRATEGIES = ("fedsgd", "fedavg", "fedhybrid", "fednewton")
 CLIPPINGS = ("static", "median", "private_quantile")
-ENGINES = ("local", "ray")
 
 
 @dataclass
@@ -102,43 +101,28 @@ class DDPSAConfig:
     ddpsa: DDPSASection = field(default_factory=DDPSASection)
 
 
-def _choice(name: str, value: Any, allowed) -> None:
-    if value not in allowed:
-        raise ConfigError(name, value, "must be one of " + ", ".join(allowed))
-
-
-def _at_least(name: str, value: float, low: float) -> None:
-    if value < low:
-        raise ConfigError(name, value, f"must be >= {low}")
-
-
-def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ConfigError(name, value, "must be > 0")
-
-
 def _validate_common(cfg) -> None:
     r, f, p = cfg.run, cfg.federation, cfg.privacy
-    _choice("run.engine", r.engine, ENGINES)
-    _at_least("run.rounds", r.rounds, 1)
-    _at_least("run.num_hosts", r.num_hosts, 1)
-    _at_least("run.seed", r.seed, 0)
-    _at_least("federation.n_clients", f.n_clients, 1)
+    choice("run.engine", r.engine, ENGINES)
+    positive_int("run.rounds", r.rounds)
+    positive_int("run.num_hosts", r.num_hosts)
+    at_least("run.seed", r.seed, 0)
+    positive_int("federation.n_clients", f.n_clients)
     if not 1 <= f.clients_per_round <= f.n_clients:
         raise ConfigError("federation.clients_per_round", f.clients_per_round, f"must be between 1 and federation.n_clients ({f.n_clients})")
-    _at_least("federation.batch_size", f.batch_size, 1)
+    positive_int("federation.batch_size", f.batch_size)
     if not 0 < p.delta < 1:
         raise ConfigError("privacy.delta", p.delta, "must be in (0, 1)")
-    _positive("privacy.clip", p.clip)
+    positive("privacy.clip", p.clip)
     if p.epsilon is not None:
-        _positive("privacy.epsilon", p.epsilon)
+        positive("privacy.epsilon", p.epsilon)
     if p.noise_multiplier is not None:
-        _positive("privacy.noise_multiplier", p.noise_multiplier)
+        positive("privacy.noise_multiplier", p.noise_multiplier)
     if p.enabled and p.epsilon is None and p.noise_multiplier is None:
         raise ConfigError("privacy.epsilon", None, "give a target epsilon or a noise_multiplier (or privacy.enabled=false)")
     check_noise_seed("privacy.noise_seed", p.noise_seed)
-    _choice("data.name", cfg.data.name, tuple(DATA_MODULES))
-    _choice("model.name", cfg.model.name, tuple(MODEL_MODULES))
+    choice("data.name", cfg.data.name, tuple(DATA_MODULES))
+    choice("model.name", cfg.model.name, tuple(MODEL_MODULES))
     from rfedray import registry
     import importlib
 
@@ -149,11 +133,11 @@ def _validate_common(cfg) -> None:
 def validate_mestimation(cfg: MEstimationConfig) -> None:
     _validate_common(cfg)
     s = cfg.strategy
-    _choice("strategy.name", s.name, STRATEGIES)
+    choice("strategy.name", s.name, STRATEGIES)
     for name in ("lr", "local_lr", "hessian_clip", "floor"):
-        _positive(f"strategy.{name}", getattr(s, name))
+        positive(f"strategy.{name}", getattr(s, name))
     for name in ("local_steps", "switch_round", "newton_steps"):
-        _at_least(f"strategy.{name}", getattr(s, name), 1)
+        positive_int(f"strategy.{name}", getattr(s, name))
     if not 0 < s.damping <= 1:
         raise ConfigError("strategy.damping", s.damping, "must be in (0, 1]")
 
@@ -161,11 +145,11 @@ def validate_mestimation(cfg: MEstimationConfig) -> None:
 def validate_ddpsa(cfg: DDPSAConfig) -> None:
     _validate_common(cfg)
     d = cfg.ddpsa
-    _choice("ddpsa.clipping", d.clipping, CLIPPINGS)
+    choice("ddpsa.clipping", d.clipping, CLIPPINGS)
     for name in ("clip", "lr", "quantile_lr", "min_delta"):
-        _positive(f"ddpsa.{name}", getattr(d, name))
+        positive(f"ddpsa.{name}", getattr(d, name))
     for name, low in (("aggregators", 2), ("min_clients", 2), ("patience", 1)):
-        _at_least(f"ddpsa.{name}", getattr(d, name), low)
+        at_least(f"ddpsa.{name}", getattr(d, name), low)
     if not 0 < d.target_quantile < 1:
         raise ConfigError("ddpsa.target_quantile", d.target_quantile, "must be in (0, 1)")
     if not 0 < d.budget_share < 1:

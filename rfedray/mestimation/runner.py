@@ -13,70 +13,37 @@ round that would pass the target epsilon is not run. ``z`` is calibrated by the 
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from rfedray.federated.client import ClientFailure
-from rfedray.federated.rounds import Strategy as RoundStrategy, run_rounds
-from rfedray.federated.engine import Engine
+from rfedray.federated.engine import Engine, check_task_run, run_task_rounds
+from rfedray.federated.rounds import Strategy as RoundStrategy
 from rfedray.mestimation.local import ParamLayout, StepPlan
 from rfedray.mestimation.strategies import FedNewton, Strategy
-from rfedray.privacy.statement import statement
 from rfedray.privacy.plan import GaussianMechanism, PrivacyPlan
-from rfedray.task import FederatedDataset, FederatedModel, Params
+from rfedray.task import FederatedDataset, FederatedModel, Params, initial_theta
 
 
-@dataclass(frozen=True)
-class PrivacySpec:
-    """Record-level DP of a run.
-
-    Attributes
-    ----------
-    epsilon : float or None
-        Target epsilon (``z`` is calibrated to it); ``None`` with ``noise_multiplier=None`` runs
-        without privacy.
-    delta : float
-    clip : float
-        Per-record gradient clip C.
-    noise_multiplier : float or None
-        A given ``z`` (skips calibration).
-    accountant : str
-        A key of :data:`rfedray.privacy.accountants.UPPER_BOUNDS` (an accountant that bounds epsilon from above).
-    noise_seed : int or None
-        Reproducible noise (not for production).
-    """
-
-    epsilon: Optional[float] = None
-    delta: float = 1e-5
-    clip: float = 1.0
-    noise_multiplier: Optional[float] = None
-    accountant: str = "exact"
-    noise_seed: Optional[int] = None
-
-    @property
-    def private(self) -> bool:
-        return self.epsilon is not None or self.noise_multiplier is not None
-
-
-def calibrate_multiplier(spec: PrivacySpec, total_steps: int, batch_size: int, records: int) -> float:
-    """The noise multiplier such that ``total_steps`` steps on the smallest client spend ``spec.epsilon``."""
+def calibrate_multiplier(accountant: str, epsilon: float, delta: float, total_steps: int, batch_size: int,
+                         records: int) -> float:
+    """The noise multiplier such that ``total_steps`` steps on the smallest client (``records``) spend ``epsilon``."""
     from rfedray.privacy.accountants import ACCOUNTANTS, calibrate_sigma
 
-    return float(calibrate_sigma(ACCOUNTANTS[spec.accountant](), epsilon=spec.epsilon, delta=spec.delta,
-                                 rounds=total_steps, local_steps=1, batch_size=batch_size, records=records, clip=1.0))
+    return float(calibrate_sigma(ACCOUNTANTS[accountant](), epsilon=epsilon, delta=delta, rounds=total_steps,
+                                 local_steps=1, batch_size=batch_size, records=records, clip=1.0))
 
 
-def privacy_plan(spec: PrivacySpec, noise_multiplier: Optional[float], batch_size: int) -> PrivacyPlan:
+def privacy_plan(noise_multiplier: Optional[float], clip: float, batch_size: int, accountant: str, delta: float,
+                 epsilon: Optional[float], noise_seed: Optional[int]) -> PrivacyPlan:
     """The run's plan: every step a Gaussian mechanism of clip C and noise ``noise_multiplier * C``,
-    one step per charge (a round charges :meth:`Strategy.steps`)."""
+    one step per charge (a round charges :meth:`Strategy.steps`); no privacy without a multiplier."""
     if noise_multiplier is None:
-        return PrivacyPlan(None, spec.accountant, spec.delta, noise_seed=spec.noise_seed)
-    mechanism = GaussianMechanism(noise_multiplier * spec.clip, spec.clip, batch_size)
-    return PrivacyPlan(mechanism, spec.accountant, spec.delta, spec.epsilon, local_steps=1, noise_seed=spec.noise_seed)
+        return PrivacyPlan(None, accountant, delta, noise_seed=noise_seed)
+    mechanism = GaussianMechanism(noise_multiplier * clip, clip, batch_size)
+    return PrivacyPlan(mechanism, accountant, delta, epsilon, local_steps=1, noise_seed=noise_seed)
 
 
 def pooled_m_estimator(model: FederatedModel, data: tuple[torch.Tensor, ...], tol: float = 1e-10,
@@ -154,7 +121,9 @@ class MEstimationRound(RoundStrategy):
 
 
 def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, dataset: FederatedDataset, *,
-                 rounds: int, clients_per_round: int, batch_size: int, privacy: PrivacySpec, seed: int = 0,
+                 rounds: int, clients_per_round: int, batch_size: int, epsilon: Optional[float] = None,
+                 delta: float = 1e-5, clip: float = 1.0, noise_multiplier: Optional[float] = None,
+                 accountant: str = "exact", noise_seed: Optional[int] = None, seed: int = 0,
                  reference: Optional[Params] = None, evaluate_every: int = 1,
                  on_round: Optional[Callable[[dict], None]] = None) -> dict:
     """Run ``rounds`` rounds and return ``{"history", "summary", "theta"}``.
@@ -166,7 +135,17 @@ def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, data
         Local or Ray; runs the clients' tasks.
     model, dataset
     rounds, clients_per_round, batch_size : int
-    privacy : PrivacySpec
+    epsilon : float or None
+        Target epsilon (``z`` is calibrated to it); ``None`` with ``noise_multiplier=None`` runs
+        without privacy.
+    delta, clip : float
+        delta, and the per-record gradient clip C.
+    noise_multiplier : float or None
+        A given ``z`` (skips calibration).
+    accountant : str
+        A key of :data:`rfedray.privacy.accountants.UPPER_BOUNDS` (one that bounds epsilon from above).
+    noise_seed : int or None
+        Reproducible noise (not for production).
     seed : int
         Seeds the initial model and the (public) cohorts.
     reference : dict of Tensor, optional
@@ -177,43 +156,26 @@ def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, data
         Receives every round's record.
     """
     sizes = dataset.client_sizes()
-    n = dataset.num_clients
-    if not 1 <= clients_per_round <= n:
-        raise ValueError(f"clients_per_round={clients_per_round}: must be between 1 and n_clients ({n})")
-    if not 1 <= batch_size <= min(sizes):
-        raise ValueError(f"batch_size={batch_size}: must be between 1 and the smallest client's record count ({min(sizes)})")
-    if rounds < 1:
-        raise ValueError(f"rounds={rounds}: must be >= 1")
-    theta = model.init_params(torch.Generator().manual_seed(seed * 7919 + 17))
+    check_task_run(sizes, clients_per_round, batch_size, rounds)
+    theta = initial_theta(model, seed)
     if isinstance(strategy, FedNewton):
         strategy.check_model(theta)
     total_steps = strategy.total_steps(rounds)
-    noise_multiplier = privacy.noise_multiplier
-    if privacy.private and noise_multiplier is None:
-        noise_multiplier = calibrate_multiplier(privacy, total_steps, batch_size, min(sizes))
-    ledger = privacy_plan(privacy, noise_multiplier, batch_size).ledger(sizes)
-    plan = StepPlan(batch_size, privacy.clip, noise_multiplier, privacy.noise_seed)
+    z = noise_multiplier
+    if z is None and epsilon is not None:
+        z = calibrate_multiplier(accountant, epsilon, delta, total_steps, batch_size, min(sizes))
+    plan = privacy_plan(z, clip, batch_size, accountant, delta, epsilon, noise_seed)
     eval_data = dataset.eval_data()
-    round_ = MEstimationRound(strategy, engine, plan, model, eval_data, reference, evaluate_every, rounds)
-    started = time.perf_counter()
-    outcome = run_rounds(round_, ledger, theta, first=0, last=rounds, seed=seed, n_clients=n,
-                         clients_per_round=clients_per_round,
-                         on_round=None if on_round is None else lambda record, theta, auth: on_round(record))
-    history = outcome.records
-    last = next((r for r in reversed(history) if "loss" in r or "oracle_loss" in r), {})
-    summary = {
-        **strategy.describe(),
-        "rounds_completed": outcome.rounds_completed, "rounds_planned": rounds, "private_steps_per_client": total_steps,
-        "noise_multiplier": noise_multiplier, "clip": privacy.clip if privacy.private else None,
-        "epsilon_target": privacy.epsilon, "delta": privacy.delta if privacy.private else None,
-        "epsilon_spent": ledger.epsilon_spent(),
-        "accountant": privacy.accountant if privacy.private else None,
-        **(statement() if privacy.private else {}),
-        "not_for_production": privacy.noise_seed is not None and privacy.private,
-        "halted": outcome.halted, "halt_reason": outcome.halt_reason, "client_failures": round_.failures,
+    round_ = MEstimationRound(strategy, engine, StepPlan(batch_size, clip, z, noise_seed), model, eval_data,
+                              reference, evaluate_every, rounds)
+    outcome, summary = run_task_rounds(round_, plan, theta, sizes, rounds=rounds, seed=seed,
+                                       clients_per_round=clients_per_round, on_round=on_round)
+    last = next((r for r in reversed(outcome.records) if "loss" in r or "oracle_loss" in r), {})
+    summary.update({
+        **strategy.describe(), "private_steps_per_client": total_steps, "noise_multiplier": z, "clip": plan.clip,
+        "client_failures": round_.failures,
         "final_metrics": {k: v for k, v in last.items()
                           if k.removeprefix("oracle_") in ("loss", "accuracy", "r2", "error", "param_error")},
         "oracle_metrics": eval_data.oracle or reference is not None,
-        "wall_seconds": time.perf_counter() - started,
-    }
-    return {"history": history, "summary": summary, "theta": outcome.theta}
+    })
+    return {"history": outcome.records, "summary": summary, "theta": outcome.theta}

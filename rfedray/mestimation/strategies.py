@@ -28,6 +28,7 @@ import torch
 from rfedray.federated.client import round_generator
 from rfedray.federated.engine import HostedClient
 from rfedray.mestimation.local import PAIR_FACTOR, ParamLayout, StepPlan, newton_direction, private_hessian, step_gradient
+from rfedray.privacy import checks
 from rfedray.task import Params
 
 
@@ -131,16 +132,6 @@ class Strategy(ABC):
         return {"strategy": self.name}
 
 
-def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{name}={value}: must be > 0")
-
-
-def _positive_int(name: str, value: int) -> None:
-    if int(value) != value or value < 1:
-        raise ValueError(f"{name}={value}: must be an integer >= 1")
-
-
 class FedSGD(Strategy):
     """One private gradient per client and round; the server steps with ``lr``.
 
@@ -153,7 +144,7 @@ class FedSGD(Strategy):
     name = "fedsgd"
 
     def __init__(self, lr: float = 1.0):
-        _positive("lr", lr)
+        checks.positive("lr", lr)
         self.lr = lr
 
     def task(self, plan, round_index):
@@ -184,8 +175,8 @@ class FedAvg(Strategy):
     name = "fedavg"
 
     def __init__(self, local_steps: int = 10, lr: float = 1.0):
-        _positive_int("local_steps", local_steps)
-        _positive("lr", lr)
+        checks.positive_int("local_steps", local_steps)
+        checks.positive("lr", lr)
         self.local_steps, self.lr = local_steps, lr
 
     def task(self, plan, round_index):
@@ -215,7 +206,7 @@ class FedHybrid(Strategy):
     name = "fedhybrid"
 
     def __init__(self, fedavg: FedAvg, fedsgd: FedSGD, switch_round: int):
-        _positive_int("switch_round", switch_round)
+        checks.positive_int("switch_round", switch_round)
         self.fedavg, self.fedsgd, self.switch_round = fedavg, fedsgd, switch_round
 
     def _phase(self, round_index: int) -> Strategy:
@@ -258,12 +249,12 @@ class FedNewton(Strategy):
 
     def __init__(self, newton_steps: int = 1, hessian_clip: float = 1.0, damping: float = 1.0, floor: float = 1e-2,
                  chunk_size: int = 32, max_params: int = 4096):
-        _positive_int("newton_steps", newton_steps)
-        _positive("hessian_clip", hessian_clip)
+        checks.positive_int("newton_steps", newton_steps)
+        checks.positive("hessian_clip", hessian_clip)
         if not 0 < damping <= 1:
             raise ValueError(f"damping={damping}: must be in (0, 1]")
-        _positive("floor", floor)
-        _positive_int("chunk_size", chunk_size)
+        checks.positive("floor", floor)
+        checks.positive_int("chunk_size", chunk_size)
         self.newton_steps, self.hessian_clip, self.damping, self.floor = newton_steps, hessian_clip, damping, floor
         self.chunk_size, self.max_params = chunk_size, max_params
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from rfedray.federated.engine import LocalEngine, TaskSpec
-from rfedray.mestimation.runner import PrivacySpec, pooled_m_estimator, run_strategy
+from rfedray.mestimation.runner import pooled_m_estimator, run_strategy
 from rfedray.mestimation.strategies import FedAvg, FedHybrid, FedNewton, FedSGD
 
 SCALES = {
@@ -83,9 +83,9 @@ def run_study(out_dir, scale: str = "tiny") -> dict:
             if clients == "many" and eps not in (s["rounds_epsilon"], None):
                 continue
             for name, (strategy, rounds) in strategies(s["rounds"], s["newton_rounds"]).items():
-                privacy = PrivacySpec(epsilon=eps, noise_seed=11) if eps is not None else PrivacySpec()
                 result = run_strategy(strategy, LocalEngine(dataset, model), model, dataset, rounds=rounds,
-                                      clients_per_round=n, batch_size=batch, privacy=privacy, reference=ref)
+                                      clients_per_round=n, batch_size=batch, epsilon=eps,
+                                      noise_seed=11 if eps is not None else None, reference=ref)
                 histories[(clients, _label(eps), name)] = result["history"]
                 for r in result["history"]:
                     rows.append({"clients": n, "epsilon": _label(eps), "strategy": name, "round": r["round"] + 1,
