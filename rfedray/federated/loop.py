@@ -166,7 +166,7 @@ class Federation:
         # run.rounds) keeps the mechanism the ledger was charged for.
         resolved = replace(self.cfg, privacy=replace(self.cfg.privacy, sigma=self.privacy.sigma))
         self.run_dir.write_bytes("config.yaml", to_yaml(resolved).encode())
-        return checkpoints.start(initial_params(self.cfg, self.model), ledger)
+        return checkpoints.start(ledger)
 
 
 def without_oracle_metrics(record: dict) -> dict:

@@ -70,10 +70,7 @@ def _flatten(fingerprint: Mapping) -> dict:
     """``{"privacy": {"clip": c}, ...}`` as ``{"privacy.clip": c, ...}``."""
     flat = {}
     for key, value in fingerprint.items():
-        if isinstance(value, dict):
-            flat.update({f"{key}.{k}": v for k, v in value.items()})
-        else:
-            flat[key] = value
+        flat.update({f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value})
     return flat
 
 
@@ -113,29 +110,26 @@ class Checkpoints:
     rounds : int
         ``run.rounds``, the rounds the run is configured for.
     initial : dict of Tensor
-        The run's starting model: gives the shapes a checkpoint's model must have.
+        The run's starting model theta_0: gives the shapes a checkpoint's model must have.
     """
 
     def __init__(self, run_dir: RunDirectory, fingerprint: dict, rounds: int, initial: Params):
-        self.run_dir, self.fingerprint, self.rounds = run_dir, fingerprint, rounds
+        self.run_dir, self.fingerprint, self.rounds, self.initial = run_dir, fingerprint, rounds, initial
         self.shapes = {k: tuple(v.shape) for k, v in initial.items()}
 
-    def start(self, initial: Params, ledger) -> RunState:
+    def start(self, ledger) -> RunState:
         """A new run: the ledger's files (its empty ledger, :meth:`WriteAheadLedger.start`) and the
-        checkpoint of round 0, before anything is charged, so that a run stopped at any point, even
-        in its first round, can be resumed."""
-        state = RunState(initial)
+        checkpoint of round 0 (theta_0), before anything is charged, so that a run stopped at any
+        point, even in its first round, can be resumed."""
+        state = RunState(self.initial)
         self.save(state, ledger.start())
         return state
 
     def save(self, state: RunState, ledger: Optional[dict]) -> None:
         """Write ``checkpoint.pt`` for ``state`` (after round ``state.round - 1``) with ``ledger``,
-        the ledger's state after that round's charge (None when not private), then keep room for
-        the next one.
-
-        The run directory keeps ``RESERVE_FACTOR`` times the checkpoint and the ledger free
-        (``.reserve``); a write that finds the disk full gives that space back, the loop
-        checkpoints at the end of the round, and the run stops here: nothing trained is lost.
+        the ledger's state after that round's charge (None when not private), then keep room
+        (``.reserve``, :meth:`_room`) for the next one: a write that finds the disk full gives that
+        space back, the loop checkpoints at the end of the round, and the run stops here.
 
         Raises
         ------
@@ -144,13 +138,9 @@ class Checkpoints:
         """
         rd = self.run_dir
         size = rd.write_checkpoint({
-            "round": state.round,
-            "theta": {k: v.detach().cpu() for k, v in state.theta.items()},
-            "optimizer_states": state.optimizer_states,
-            "counters": dict(state.counters),
-            "fingerprint": self.fingerprint,
-            "ledger": ledger,
-            "last_metrics": dict(state.last_metrics),
+            "round": state.round, "theta": {k: v.detach().cpu() for k, v in state.theta.items()},
+            "optimizer_states": state.optimizer_states, "counters": dict(state.counters),
+            "fingerprint": self.fingerprint, "ledger": ledger, "last_metrics": dict(state.last_metrics),
         })
         if state.round < self.rounds and (rd.out_of_space() or not rd.reserve(self._room(size))):
             raise RunDirectoryWriteError(
@@ -176,6 +166,7 @@ class Checkpoints:
             When the checkpoint's model does not fit the configured model or is not finite.
         """
         rd = self.run_dir
+        damaged = "it is damaged, and rfedray cannot continue a run without its checkpoint: start a new run"
         before, now = _flatten(state.get("fingerprint") or {}), _flatten(self.fingerprint)
         changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
         if changed:
@@ -190,8 +181,7 @@ class Checkpoints:
             )
         done = state["round"]
         if isinstance(done, bool) or not isinstance(done, int) or done < 0:
-            raise RfedrayError(f"--resume {rd.path}: checkpoint.pt records round {done!r}, not a round count; "
-                               "it is damaged, and rfedray cannot continue a run without its checkpoint: start a new run")
+            raise RfedrayError(f"--resume {rd.path}: checkpoint.pt records round {done!r}, not a round count; {damaged}")
         if done > self.rounds:
             raise ConfigError("run.rounds", self.rounds,
                               f"the run has already completed {done} rounds; resume with run.rounds >= {done}")
@@ -204,15 +194,11 @@ class Checkpoints:
                 f"{self.shapes}; resume with the configuration the run was started with (its config.yaml)"
             )
         if not all(bool(torch.isfinite(v).all()) for v in theta.values()):
-            raise RfedrayError(f"--resume {rd.path}: checkpoint.pt holds a model that is not finite; "
-                               "it is damaged, and rfedray cannot continue a run without its checkpoint: start a new run")
+            raise RfedrayError(f"--resume {rd.path}: checkpoint.pt holds a model that is not finite; {damaged}")
 
     def _load_ledger(self, ledger, state: dict) -> None:
-        """Load the spent budget into ``ledger``: ``budget.json``, once every other trace agrees it is the newest.
-
-        The write-ahead ledger may be ahead of the checkpoint (rounds charged, then lost): it is
-        the one to keep, and the rounds after the checkpoint are charged again when they are
-        redone (the safe side). See :class:`~rfedray.federated.budget.BudgetFiles`.
+        """Load the spent budget into ``ledger``: ``budget.json``, once every other trace agrees it is
+        the newest (:meth:`~rfedray.federated.budget.BudgetFiles.trusted`; see the module docstring).
 
         Raises
         ------
@@ -249,10 +235,8 @@ class Checkpoints:
         self._check_checkpoint(state)
         self._load_ledger(ledger, state)
         self.run_dir.metrics_before(state["round"])
-        return RunState(
-            theta=state["theta"], round=state["round"], optimizer_states=state["optimizer_states"],
-            counters=state["counters"], last_metrics=state.get("last_metrics", {}),
-        )
+        return RunState(state["theta"], state["round"], state["optimizer_states"], state["counters"],
+                        state.get("last_metrics", {}))
 
     def resume(self, ledger) -> RunState:
         """:meth:`check`, then keep room for checkpoints, drop the rounds after the checkpoint from
