@@ -22,11 +22,6 @@ def sym(a: Tensor) -> Tensor:
     return 0.5 * (a + a.mT)
 
 
-def skew(a: Tensor) -> Tensor:
-    """Skew-symmetric part ``(A - A^T) / 2`` of ``a`` of shape ``(..., n, n)``."""
-    return 0.5 * (a - a.mT)
-
-
 def eye_like(a: Tensor) -> Tensor:
     """Identity of the shape, dtype and device of the square matrices ``a`` of shape ``(..., n, n)``."""
     return torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand(a.shape)

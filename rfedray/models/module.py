@@ -235,11 +235,3 @@ class ModuleModel:
             if self.metrics is not None:
                 values.update(self.metrics(output, *targets))
         return {name: float(value) for name, value in values.items()}
-
-    def load_into_module(self, params: Params) -> nn.Module:
-        """The module with ``params`` (e.g. a run's final model) copied into its parameters."""
-        own = dict(self.module.named_parameters())
-        with torch.no_grad():
-            for name, value in params.items():
-                own[name].copy_(value)
-        return self.module

@@ -37,9 +37,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -48,7 +47,7 @@ import numpy as np
 from rfedray.studies.base import Row, Table, mean_std, run_grid, write_outputs
 from rfedray.studies.eeg import (
     EEGNET, PRIRFED, PROJAVG, RETAVG, RLAVG, Arm, EEGStudy, MeanStd, PaperValue, PRIVACY_COLUMNS, TABLE6, TABLE7,
-    TABLE8, _pyplot, _save, chance, flatten, smoothed,
+    TABLE8, _pyplot, _save, flatten, smoothed,
 )
 
 SUBJECTS = tuple(range(1, 18))
@@ -225,14 +224,6 @@ class HyperparameterSearch:
         distinct = {s["run_dir"]: s for s in summaries.values()}.values()
         seconds = sum(s.get("wall_seconds", 0.0) for s in distinct)
         return {"runs": len(distinct), "cpu_hours": seconds / 3600.0, "reused": sum(bool(s.get("reused")) for s in distinct)}
-
-
-@dataclass
-class Plan:
-    """Every run of the study, keyed, and what the report needs to read them back."""
-
-    search_settings: list[tuple[int, Arm, str]] = field(default_factory=list)
-    main: dict[tuple, list[str]] = field(default_factory=dict)
 
 
 class EEGPhysionet(EEGStudy):
