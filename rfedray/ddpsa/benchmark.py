@@ -11,16 +11,13 @@ Writes ``results.csv``, ``claims.json`` and ``report.md`` into ``out_dir``.
 
 from __future__ import annotations
 
-import csv
 import json
-from pathlib import Path
-
-import torch
 
 from rfedray.ddpsa.mechanism import MedianClip, PrivateQuantileClip, StaticClip
 from rfedray.ddpsa.runner import run_ddpsa
 from rfedray.ddpsa.secure_aggregation import LocalAggregators
 from rfedray.federated.engine import LocalEngine, TaskSpec
+from rfedray.studies.base import study_folder, write_csv
 
 SCALES = {
     "tiny": {"rounds": 150, "epsilon": 5.0, "sweep": [2.0, 8.0], "seeds": [0]},
@@ -58,12 +55,7 @@ def _mean(rows: list[dict], key: str) -> float:
 
 def run_benchmark(out_dir, scale: str = "tiny") -> dict:
     """Run at ``scale`` and write the files; returns ``{"rows", "claims"}``."""
-    if scale not in SCALES:
-        raise ValueError(f"scale={scale!r}: must be one of {', '.join(SCALES)}")
-    torch.set_num_threads(1)
-    s = SCALES[scale]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    s, out = study_folder(SCALES, scale, out_dir)
     rows = []
     for task in TASKS:
         for name in policies():
@@ -71,10 +63,7 @@ def run_benchmark(out_dir, scale: str = "tiny") -> dict:
                 seeds = s["seeds"] if eps == s["epsilon"] else s["seeds"][:1]
                 for seed in seeds:
                     rows.append(_one(task, policies()[name], eps, s["rounds"], seed))
-    with open(out / "results.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / "results.csv", rows)
     claims = {}
     for task in TASKS:
         main = {p: [r for r in rows if r["task"] == task and r["policy"] == p and r["epsilon"] == s["epsilon"]]

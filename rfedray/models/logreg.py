@@ -224,13 +224,18 @@ def model_dtype(info: dict) -> torch.dtype:
     return DTYPES[info.get("dtype", "float64")]
 
 
-def build(options: Options, info: dict, retraction=None):
-    """Build the model; ``retraction`` is accepted for a uniform signature (all groups are Euclidean)."""
-    """Logistic or linear regression sized from the data's ``info``."""
+def task_of(options, info: dict) -> str:
+    """The task of a model of ``options`` (validated) on data described by ``info``: the data's."""
     options.validate("model.options")
     task = info["task"] if options.task == "auto" else options.task
     if task != info["task"]:
         raise OptionsError("model.options.task", options.task, f"the data is a {info['task']} task")
-    if task == "classification":
+    return task
+
+
+def build(options: Options, info: dict, retraction=None):
+    """Logistic or linear regression sized from the data's ``info``; ``retraction`` is accepted for a
+    uniform signature (all groups are Euclidean)."""
+    if task_of(options, info) == "classification":
         return LogisticRegression(info["num_features"], info["num_classes"], options.l2, model_dtype(info))
     return LinearRegression(info["num_features"], options.l2, model_dtype(info))

@@ -18,7 +18,7 @@ from rfedray.options import OptionsError
 from rfedray.geometry import Euclidean
 from rfedray.models.logreg import (
     TASKS, classification_metrics, cross_entropy, model_dtype, parameter_error, regression_metrics, ridge,
-    squared_error,
+    squared_error, task_of,
 )
 from rfedray.task import EvalData, Params
 
@@ -130,12 +130,9 @@ class Options:
 
 
 def build(options: Options, info: dict, retraction=None) -> MLP:
-    """Build the MLP; ``retraction`` is accepted for a uniform signature (all groups are Euclidean)."""
-    """An MLP sized from the data's ``info``."""
-    options.validate("model.options")
-    task = info["task"] if options.task == "auto" else options.task
-    if task != info["task"]:
-        raise OptionsError("model.options.task", options.task, f"the data is a {info['task']} task")
+    """An MLP sized from the data's ``info``; ``retraction`` is accepted for a uniform signature (all
+    groups are Euclidean)."""
+    task = task_of(options, info)
     outputs = info["num_classes"] if task == "classification" else 1
     return MLP(info["num_features"], list(options.hidden), outputs, task, options.activation, options.l2,
                model_dtype(info))

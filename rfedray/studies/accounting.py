@@ -7,7 +7,7 @@ from pathlib import Path
 from rfedray.privacy.accountants import ACCOUNTANTS, calibrate_sigma
 from rfedray.privacy.paper import PAPER_CLIP as FITTED_CLIP
 from rfedray.studies import paper
-from rfedray.studies.base import Row, Table, write_outputs
+from rfedray.studies.base import Row, Table, pyplot, save_figure, write_outputs
 
 EPSILON_GRID = {"tiny": (1, 5, 10), "full": (0.5, 1, 2, 3, 5, 7.5, 10, 15, 20)}
 
@@ -41,10 +41,7 @@ class NoiseRatio:
 
 
 def _ratio_figure(out: Path, xs, ratios) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(4.5, 3.4))
@@ -55,8 +52,4 @@ def _ratio_figure(out: Path, xs, ratios) -> str:
     ax.set_ylabel("sigma PriRFed / sigma ours")
     ax.set_title("Figure 4(b)", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "figure4b.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return save_figure(fig, out / "figure4b.png")

@@ -248,6 +248,51 @@ def write_outputs(out_dir: Path, title: str, tables: Sequence[Table], figures: S
     return report
 
 
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> str:
+    """Write ``fig`` to ``path`` (PNG, 120 dpi), close it and return the path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return str(path)
+
+
+def study_folder(scales: dict, scale: str, out_dir) -> tuple[Any, Path]:
+    """The settings of ``scale`` (a key of ``scales``) and the output folder (created), for a study
+    that trains in this process on one thread.
+
+    Raises
+    ------
+    ValueError
+        For a scale ``scales`` does not have.
+    """
+    import torch
+
+    if scale not in scales:
+        raise ValueError(f"scale={scale!r}: must be one of {', '.join(scales)}")
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return scales[scale], out
+
+
+def write_csv(path: Path, rows: Sequence[dict]) -> None:
+    """``rows`` (dicts with the same keys) as a CSV file with a header line."""
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _jsonable(v) for k, v in value.items()}

@@ -38,7 +38,7 @@ import yaml
 from rfedray.config import Config, load_config
 from rfedray.data.eeg import DATASETS, REPOSITORY
 from rfedray.errors import RfedrayError
-from rfedray.studies.base import Row, Table, mean_std, run_grid, write_outputs
+from rfedray.studies.base import Row, Table, mean_std, pyplot, run_grid, save_figure, write_outputs
 
 # Table 6: centralised non-private test accuracy (%), mean and std over 10 seeds, last epoch.
 TABLE6 = {
@@ -242,22 +242,6 @@ def qualitative(dataset: str, tables: dict[str, tuple[list[Row], dict]]) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    _pyplot().close(fig)
-    return str(path)
-
-
 class EEGStudy:
     """What the EEG studies share: the dataset's configuration files, the jobs, the report preface.
 
@@ -315,7 +299,7 @@ class EEGStudy:
                       paper_label: str, title: str, width: float) -> str:
         """Bars of mean accuracy (std as error bars) per arm, the paper's (mean, std) at the bar
         positions in ``paper`` as black diamonds, and the dataset's chance line."""
-        fig, ax = _pyplot().subplots(figsize=(width, 3.4))
+        fig, ax = pyplot().subplots(figsize=(width, 3.4))
         names = list(values)
         stats = [mean_std(values[n]) for n in names]
         ax.bar(range(len(names)), [m for m, _ in stats], yerr=[s for _, s in stats], capsize=4,
@@ -329,7 +313,7 @@ class EEGStudy:
         ax.set_ylim(0, 100)
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
-        return _save(fig, path)
+        return save_figure(fig, path)
 
 
 class EEGCentralised(EEGStudy):
@@ -443,7 +427,7 @@ class EEGFederated(EEGStudy):
         )])
 
     def figure(self, path: Path, tables: Sequence[Table]) -> str:
-        fig, axes = _pyplot().subplots(1, len(tables), figsize=(4.6 * len(tables), 3.8), sharey=True)
+        fig, axes = pyplot().subplots(1, len(tables), figsize=(4.6 * len(tables), 3.8), sharey=True)
         xs = np.arange(len(PRIVACY_COLUMNS))
         for ax, table in zip(axes, tables):
             for offset, row in enumerate(table.rows):
@@ -459,7 +443,7 @@ class EEGFederated(EEGStudy):
             ax.set_title(f"{table.title.split(':')[0]}, {self.dataset}", fontsize=10)
             ax.set_ylabel("test accuracy (%)")
             ax.legend(fontsize=7)
-        return _save(fig, path)
+        return save_figure(fig, path)
 
 
 class EEGPriRFed(EEGStudy):
@@ -537,7 +521,7 @@ class EEGCurves(EEGStudy):
         return write_outputs(out, self.name, [table], [self.figure(out / "figure7.png", curves)], preface=self.preface(sc, text))
 
     def figure(self, path: Path, curves: dict[tuple[str, int], list[np.ndarray]]) -> str:
-        fig, axes = _pyplot().subplots(1, len(self.arms), figsize=(4.6 * len(self.arms), 3.5), sharey=True)
+        fig, axes = pyplot().subplots(1, len(self.arms), figsize=(4.6 * len(self.arms), 3.5), sharey=True)
         for ax, arm in zip(axes, self.arms):
             for (label, rounds), runs in curves.items():
                 if label == arm.label:
@@ -551,4 +535,4 @@ class EEGCurves(EEGStudy):
             ax.set_ylabel("test accuracy (%)")
             ax.set_title(f"Figure 7: {arm.label}, ε = 5, {self.dataset}", fontsize=10)
             ax.legend(fontsize=8)
-        return _save(fig, path)
+        return save_figure(fig, path)

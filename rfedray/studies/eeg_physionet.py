@@ -44,10 +44,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from rfedray.studies.base import Row, Table, mean_std, run_grid, write_outputs
+from rfedray.studies.base import Row, Table, mean_std, pyplot, run_grid, save_figure, write_outputs
 from rfedray.studies.eeg import (
     EEGNET, PRIRFED, PROJAVG, RETAVG, RLAVG, Arm, EEGStudy, MeanStd, PaperValue, PRIVACY_COLUMNS, TABLE6, TABLE7,
-    TABLE8, _pyplot, _save, flatten, smoothed,
+    TABLE8, flatten, smoothed,
 )
 
 SUBJECTS = tuple(range(1, 18))
@@ -540,7 +540,7 @@ class Report:
 
     def epsilon_figure(self, path: Path) -> str:
         panels = [(n, k) for n in self.scale.groupings for k in (n, half(n))]
-        fig, axes = _pyplot().subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), sharey=True, squeeze=False)
+        fig, axes = pyplot().subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), sharey=True, squeeze=False)
         xs = np.arange(4)
         order = ["ε=5", "ε=10", "ε=20", "non-private"]
         for ax, (n, k) in zip(axes[0], panels):
@@ -556,10 +556,10 @@ class Report:
             ax.set_title(f"{grouping_label(n)}, k = {k}", fontsize=9)
             ax.set_ylabel("test accuracy (%)")
         axes[0][0].legend(fontsize=7)
-        return _save(fig, path)
+        return save_figure(fig, path)
 
     def records_figure(self, path: Path) -> str:
-        fig, ax = _pyplot().subplots(figsize=(5.2, 3.8))
+        fig, ax = pyplot().subplots(figsize=(5.2, 3.8))
         sizes = [min(self.study.client_sizes(n)) for n in self.scale.record_groupings]
         for column, colour in zip(PRIVACY_COLUMNS, ("k", "tab:green", "tab:blue", "tab:red")):
             stats = [mean_std(self.values(n, n, PROJAVG.label, column)) for n in self.scale.record_groupings]
@@ -572,11 +572,11 @@ class Report:
         ax.set_ylabel("test accuracy (%)")
         ax.set_title("SPDNet ProjAvg against records per client", fontsize=10)
         ax.legend(fontsize=7)
-        return _save(fig, path)
+        return save_figure(fig, path)
 
     def figure4a(self, path: Path) -> str:
         arms = (PROJAVG, RLAVG, RETAVG, PRIRFED)
-        fig, axes = _pyplot().subplots(1, len(self.scale.groupings), figsize=(4.6 * len(self.scale.groupings), 3.6), squeeze=False)
+        fig, axes = pyplot().subplots(1, len(self.scale.groupings), figsize=(4.6 * len(self.scale.groupings), 3.6), squeeze=False)
         for ax, n in zip(axes[0], self.scale.groupings):
             stats = [mean_std(self.values(n, n, arm.label, "ε=20")) for arm in arms]
             ax.bar(range(len(arms)), [m for m, _ in stats], yerr=[s for _, s in stats], capsize=4, color=[a.colour for a in arms])
@@ -585,13 +585,13 @@ class Report:
             ax.set_ylim(40, 75)
             ax.set_title(f"Figure 4(a): ε = 20, {grouping_label(n)}", fontsize=9)
             ax.set_ylabel("test accuracy (%)")
-        return _save(fig, path)
+        return save_figure(fig, path)
 
     def figure7(self, path: Path) -> str:
         from rfedray.federated.rundir import RunDirectory
 
         n = self.scale.groupings[0]
-        fig, axes = _pyplot().subplots(1, len(EEGPhysionet.curve_arms), figsize=(4.6 * len(EEGPhysionet.curve_arms), 3.5), sharey=True)
+        fig, axes = pyplot().subplots(1, len(EEGPhysionet.curve_arms), figsize=(4.6 * len(EEGPhysionet.curve_arms), 3.5), sharey=True)
         for ax, arm in zip(axes, EEGPhysionet.curve_arms):
             horizon = self.study.horizon(self.chosen, n, arm, "ε=5", self.scale)
             for rounds in (max(1, horizon // 2), horizon, 2 * horizon):
@@ -609,7 +609,7 @@ class Report:
             ax.set_ylabel("test accuracy (%)")
             ax.set_title(f"Figure 7: {arm.label}, ε = 5, {n} clients", fontsize=9)
             ax.legend(fontsize=7)
-        return _save(fig, path)
+        return save_figure(fig, path)
 
     # -- output -------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 from rfedray.privacy.paper import PAPER_CLIP as FITTED_CLIP
 from rfedray.studies import paper
-from rfedray.studies.base import Row, Table, fmt_median, median_iqr, run_grid, write_outputs
+from rfedray.studies.base import Row, Table, fmt_median, median_iqr, pyplot, run_grid, save_figure, write_outputs
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,7 @@ def _seed_gaps(summaries: dict, key: tuple, seeds: int) -> list[float]:
 def _figure(path: Path, xs, series: dict[str, list], xlabel: str, ylabel: str, title: str, logy: bool = False,
             paper_series: Optional[dict[str, list]] = None) -> str:
     """Median and IQR per series against ``xs``; ``paper_series`` (same names) as crosses."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(4.5, 3.4))
     for offset, (name, triples) in enumerate(series.items()):
@@ -74,20 +71,14 @@ def _figure(path: Path, xs, series: dict[str, list], xlabel: str, ylabel: str, t
     if logy:
         ax.set_yscale("log")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return save_figure(fig, path)
 
 
 def _figure_dimension(path: Path, rows: Sequence[Row]) -> str:
     """Figure 2 (a) cost against the intrinsic dimension at d = 40, and (b) against the ambient
     dimension D at the same d_M = 144: ours (median and IQR), the paper's medians, and the
     stationary value eta sigma^2 d_M / (4k)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(8.6, 3.4))
     panels = (("a", "d_M", "intrinsic dimension d_M (d = 40)", lambda r: r.label["d"] == 40),
@@ -108,10 +99,7 @@ def _figure_dimension(path: Path, rows: Sequence[Row]) -> str:
         ax.set_title(f"Figure 2({panel})", fontsize=10)
         ax.set_ylim(bottom=0)
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return save_figure(fig, path)
 
 
 class FedPCADimension:

@@ -16,16 +16,14 @@ the project's exact Gaussian accountant and is charged step by step to a ledger.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from pathlib import Path
 
-import torch
-
 from rfedray.federated.engine import LocalEngine, TaskSpec
 from rfedray.mestimation.runner import pooled_m_estimator, run_strategy
 from rfedray.mestimation.strategies import FedAvg, FedHybrid, FedNewton, FedSGD
+from rfedray.studies.base import pyplot, save_figure, study_folder, write_csv
 
 SCALES = {
     "tiny": {"records": 1500, "few": 3, "many": 12, "rounds": 15, "newton_rounds": 4, "epsilons": [2.0, 8.0, None],
@@ -66,12 +64,7 @@ def rounds_to_reach(history: list[dict], target: float):
 
 def run_study(out_dir, scale: str = "tiny") -> dict:
     """Run the study at ``scale`` ("tiny": about a minute; "full": longer) and write its files."""
-    if scale not in SCALES:
-        raise ValueError(f"scale={scale!r}: must be one of {', '.join(SCALES)}")
-    torch.set_num_threads(1)
-    s = SCALES[scale]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    s, out = study_folder(SCALES, scale, out_dir)
     total_records = s["records"] * s["few"]
     rows, finals = [], []
     histories: dict = {}
@@ -95,8 +88,8 @@ def run_study(out_dir, scale: str = "tiny") -> dict:
                                "accuracy": result["history"][-1]["accuracy"],
                                "noise_multiplier": result["summary"]["noise_multiplier"],
                                "epsilon_spent": result["summary"]["epsilon_spent"]})
-    _write_csv(out / "rounds.csv", rows)
-    _write_csv(out / "epsilon.csv", finals)
+    write_csv(out / "rounds.csv", rows)
+    write_csv(out / "epsilon.csv", finals)
     claims = _claims(histories, finals, s)
     (out / "claims.json").write_text(json.dumps(claims, indent=2))
     _plots(out, histories, finals, s)
@@ -124,18 +117,8 @@ def _claims(histories, finals, s) -> dict:
     return claims
 
 
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def _plots(out: Path, histories, finals, s) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, clients in zip(axes, ("few", "many")):
@@ -146,9 +129,7 @@ def _plots(out: Path, histories, finals, s) -> None:
         ax.set_xlabel("communication round")
         ax.legend()
     axes[0].set_ylabel("relative error to pooled M-estimator")
-    fig.tight_layout()
-    fig.savefig(out / "error_vs_rounds.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / "error_vs_rounds.png")
     fig, ax = plt.subplots(figsize=(5, 4))
     few = [f for f in finals if f["clients"] == s["few"]]
     for name in ("fedsgd", "fedavg", "fedhybrid", "fednewton"):
@@ -160,9 +141,7 @@ def _plots(out: Path, histories, finals, s) -> None:
     ax.set_ylabel("final relative error")
     ax.set_title(f"{s['few']} clients")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "error_vs_epsilon.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / "error_vs_epsilon.png")
 
 
 def _report(out: Path, claims: dict, finals: list[dict], scale: str) -> None:
