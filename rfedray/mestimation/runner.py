@@ -4,7 +4,7 @@
 Every participant of round ``t`` releases ``strategy.steps(t)`` private steps, each the same
 Gaussian mechanism (noise multiplier ``z``, minibatch ``B`` of its ``m`` records; a Newton step is
 priced as one step, see :mod:`rfedray.mestimation.local`). The ledger is the project's
-:class:`rfedray.privacy.ledger.PrivacyLedger` of the run's :func:`privacy_plan`, one step per
+:class:`rfedray.privacy.ledger.PrivacyLedger` of the run's privacy plan, one step per
 charge; it is charged for every step of the round *before* the clients run (write-ahead), and a
 round that would pass the target epsilon is not run. ``z`` is calibrated by the project's
 ``calibrate_sigma`` for the worst client (smallest ``m``, taking part in every round).
@@ -34,16 +34,6 @@ def calibrate_multiplier(accountant: str, epsilon: float, delta: float, total_st
 
     return float(calibrate_sigma(ACCOUNTANTS[accountant](), epsilon=epsilon, delta=delta, rounds=total_steps,
                                  local_steps=1, batch_size=batch_size, records=records, clip=1.0))
-
-
-def privacy_plan(noise_multiplier: Optional[float], clip: float, batch_size: int, accountant: str, delta: float,
-                 epsilon: Optional[float], noise_seed: Optional[int]) -> PrivacyPlan:
-    """The run's plan: every step a Gaussian mechanism of clip C and noise ``noise_multiplier * C``,
-    one step per charge (a round charges :meth:`Strategy.steps`); no privacy without a multiplier."""
-    if noise_multiplier is None:
-        return PrivacyPlan(None, accountant, delta, noise_seed=noise_seed)
-    mechanism = GaussianMechanism(noise_multiplier * clip, clip, batch_size)
-    return PrivacyPlan(mechanism, accountant, delta, epsilon, local_steps=1, noise_seed=noise_seed)
 
 
 def pooled_m_estimator(model: FederatedModel, data: tuple[torch.Tensor, ...], tol: float = 1e-10,
@@ -164,7 +154,9 @@ def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, data
     z = noise_multiplier
     if z is None and epsilon is not None:
         z = calibrate_multiplier(accountant, epsilon, delta, total_steps, batch_size, min(sizes))
-    plan = privacy_plan(z, clip, batch_size, accountant, delta, epsilon, noise_seed)
+    # Every step a Gaussian mechanism of clip C and noise z C, one step per charge (a round charges strategy.steps).
+    mechanism = None if z is None else GaussianMechanism(z * clip, clip, batch_size)
+    plan = PrivacyPlan(mechanism, accountant, delta, epsilon, local_steps=1, noise_seed=noise_seed)
     eval_data = dataset.eval_data()
     round_ = MEstimationRound(strategy, engine, StepPlan(batch_size, clip, z, noise_seed), model, eval_data,
                               reference, evaluate_every, rounds)
