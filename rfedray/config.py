@@ -225,8 +225,7 @@ def _parse_yaml(raw: bytes, where: str) -> dict:
         raise ConfigError("config", where, f"YAML syntax error{at}: {problem}") from None
     if data is None:
         return {}
-    if not isinstance(data, dict):
-        raise ConfigError("config", where, "must be a YAML mapping of sections")
+    ConfigError.check(isinstance(data, dict), "config", where, "must be a YAML mapping of sections")
     return data
 
 
@@ -368,8 +367,7 @@ def choice(fieldname: str, value: Any, allowed: tuple) -> None:
 
 
 def at_least(fieldname: str, value: int, low: int) -> None:
-    if value < low:
-        raise ConfigError(fieldname, value, f"must be an integer >= {low}")
+    ConfigError.check(value >= low, fieldname, value, f"must be an integer >= {low}")
 
 
 def positive_int(fieldname: str, value: int) -> None:
@@ -377,8 +375,7 @@ def positive_int(fieldname: str, value: int) -> None:
 
 
 def positive(fieldname: str, value: float) -> None:
-    if not (value > 0 and math.isfinite(value)):
-        raise ConfigError(fieldname, value, "must be a finite number > 0")
+    ConfigError.check(value > 0 and math.isfinite(value), fieldname, value, "must be a finite number > 0")
 
 
 def check_noise_seed(fieldname: str, seed: Optional[int]) -> None:
@@ -398,13 +395,11 @@ def validate(cfg: Config) -> None:
     positive_int("run.evaluate_every", r.evaluate_every)
     if r.threads is not None:
         positive_int("run.threads", r.threads)
-    if not 0 <= r.seed <= MAX_SEED:
-        raise ConfigError("run.seed", r.seed, f"must be an integer in [0, {MAX_SEED}]")
+    ConfigError.check(0 <= r.seed <= MAX_SEED, "run.seed", r.seed, f"must be an integer in [0, {MAX_SEED}]")
     if not isinstance(r.name, str) or not RUN_NAME.match(r.name):
         raise ConfigError("run.name", r.name, "must be a plain name of letters, digits, '.', '_' or '-' (at most 100, "
                           "not starting with '.' or '-'); it names the run's directory inside run.output_dir")
-    if not r.output_dir:
-        raise ConfigError("run.output_dir", r.output_dir, "must be a non-empty path")
+    ConfigError.check(r.output_dir, "run.output_dir", r.output_dir, "must be a non-empty path")
 
     positive_int("federation.n_clients", fed.n_clients)
     if fed.n_clients > MAX_CLIENTS:
@@ -426,8 +421,7 @@ def validate(cfg: Config) -> None:
             "so it cannot calibrate, charge or halt a run (read budgets with it: rfedray privacy epsilon --accountant clt)",
         )
     choice("privacy.accountant", p.accountant, ACCOUNTANTS)
-    if not (0.0 < p.delta < 1.0):
-        raise ConfigError("privacy.delta", p.delta, "must be in the open interval (0, 1)")
+    ConfigError.check(0.0 < p.delta < 1.0, "privacy.delta", p.delta, "must be in the open interval (0, 1)")
     positive("privacy.clip", p.clip)
     if p.clip_shares is not None:
         from rfedray.privacy.checks import PrivacyParameterError
@@ -449,32 +443,26 @@ def validate(cfg: Config) -> None:
     choice("aggregation.weighting", agg.weighting, WEIGHTINGS)
     choice("aggregation.retraction", agg.retraction, RETRACTIONS)
 
-    if not cfg.optim:
-        raise ConfigError("optim", {}, "needs at least a 'default' optimiser")
+    ConfigError.check(cfg.optim, "optim", {}, "needs at least a 'default' optimiser")
     for group, opt in cfg.optim.items():
         base = f"optim.{group}"
         choice(f"{base}.name", opt.name, OPTIMIZERS)
         positive(f"{base}.lr", opt.lr)
-        if not (0.0 <= opt.momentum < 1.0):
-            raise ConfigError(f"{base}.momentum", opt.momentum, "must be in [0, 1)")
+        ConfigError.check(0.0 <= opt.momentum < 1.0, f"{base}.momentum", opt.momentum, "must be in [0, 1)")
         for b in ("beta1", "beta2"):
-            if not (0.0 <= getattr(opt, b) < 1.0):
-                raise ConfigError(f"{base}.{b}", getattr(opt, b), "must be in [0, 1)")
+            ConfigError.check(0.0 <= getattr(opt, b) < 1.0, f"{base}.{b}", getattr(opt, b), "must be in [0, 1)")
         positive(f"{base}.eps", opt.eps)
-        if opt.weight_decay < 0:
-            raise ConfigError(f"{base}.weight_decay", opt.weight_decay, "must be >= 0")
+        ConfigError.check(opt.weight_decay >= 0, f"{base}.weight_decay", opt.weight_decay, "must be >= 0")
         choice(f"{base}.schedule", opt.schedule, SCHEDULES)
         positive_int(f"{base}.step_size", opt.step_size)
-        if not (0.0 < opt.gamma <= 1.0):
-            raise ConfigError(f"{base}.gamma", opt.gamma, "must be in (0, 1]")
+        ConfigError.check(0.0 < opt.gamma <= 1.0, f"{base}.gamma", opt.gamma, "must be in (0, 1]")
 
     ray = cfg.ray
     if ray.num_client_actors is not None:
         positive_int("ray.num_client_actors", ray.num_client_actors)
     if ray.clients_per_actor < 0:
         raise ConfigError("ray.clients_per_actor", ray.clients_per_actor, "must be >= 0 (0 spreads clients evenly over the actors)")
-    if ray.num_cpus_per_actor < 0:
-        raise ConfigError("ray.num_cpus_per_actor", ray.num_cpus_per_actor, "must be >= 0")
+    ConfigError.check(ray.num_cpus_per_actor >= 0, "ray.num_cpus_per_actor", ray.num_cpus_per_actor, "must be >= 0")
     if ray.num_gpus_per_actor < 0:
         raise ConfigError("ray.num_gpus_per_actor", ray.num_gpus_per_actor, "must be >= 0 (fractions pack actors on a GPU)")
     choice("ray.placement", ray.placement, PLACEMENTS)

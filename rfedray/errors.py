@@ -34,6 +34,13 @@ class ConfigError(RfedrayError, ValueError):
         # Picklable with its three arguments, so it crosses process (Ray) boundaries intact.
         return (type(self), (self.field, self.value, self.allowed))
 
+    @classmethod
+    def check(cls, ok: object, field: str, value: Any, allowed: str) -> None:
+        """Raise ``cls(field, value, allowed)`` unless ``ok``: a range check in one line,
+        ``OptionsError.check(d >= 2, "data.options.d", d, "must be an integer >= 2")``."""
+        if not ok:
+            raise cls(field, value, allowed)
+
 
 class RunFailure(RfedrayError):
     """A run that failed after it started (its server died, its cluster went away): exit status 1.

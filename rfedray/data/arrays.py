@@ -220,21 +220,17 @@ class Options:
     dtype: str = "float32"
 
     def validate(self, prefix: str) -> None:
-        if not self.path:
-            raise OptionsError(f"{prefix}.path", self.path, "give the .npz file of the clients' arrays")
+        OptionsError.check(self.path, f"{prefix}.path", self.path, "give the .npz file of the clients' arrays")
         if not Path(self.path).expanduser().is_file():
             raise OptionsError(f"{prefix}.path", self.path, "no such file; give the .npz file of the clients' arrays")
-        if self.task not in TASKS:
-            raise OptionsError(f"{prefix}.task", self.task, "must be one of " + ", ".join(TASKS))
+        OptionsError.check(self.task in TASKS, f"{prefix}.task", self.task, "must be one of " + ", ".join(TASKS))
         if self.representation not in TASKS[self.task].representations:
             raise OptionsError(f"{prefix}.representation", self.representation,
                               f"task {self.task} takes " + ", ".join(TASKS[self.task].representations))
         if self.num_classes is not None and self.num_classes < 2:
             raise OptionsError(f"{prefix}.num_classes", self.num_classes, "must be null (from the labels) or an integer >= 2")
-        if self.p < 1:
-            raise OptionsError(f"{prefix}.p", self.p, "must be an integer >= 1")
-        if self.dtype not in DTYPES:
-            raise OptionsError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
+        OptionsError.check(self.p >= 1, f"{prefix}.p", self.p, "must be an integer >= 1")
+        OptionsError.check(self.dtype in DTYPES, f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
 
 
 class FileArrays:

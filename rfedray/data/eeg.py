@@ -610,8 +610,7 @@ class Options:
             raise OptionsError(f"{prefix}.validation_fraction", self.validation_fraction, "must be in the open interval (0, 1)")
         if self.split_seed is not None and self.split_seed < 0:
             raise OptionsError(f"{prefix}.split_seed", self.split_seed, "must be null (run.seed) or an integer >= 0")
-        if self.dtype not in DTYPES:
-            raise OptionsError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
+        OptionsError.check(self.dtype in DTYPES, f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
 
 
 def _versions() -> dict[str, str]:

@@ -308,8 +308,7 @@ class Options:
             ("dtype", self.dtype in DTYPES, "must be one of " + ", ".join(DTYPES)),
         ]
         for name, ok, allowed in checks:
-            if not ok:
-                raise OptionsError(f"{prefix}.{name}", getattr(self, name), allowed)
+            OptionsError.check(ok, f"{prefix}.{name}", getattr(self, name), allowed)
 
 
 def build(options: Options, *, n_clients: int, seed: int) -> ArrayFederation:

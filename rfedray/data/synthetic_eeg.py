@@ -60,18 +60,13 @@ class Options:
     dtype: str = "float32"
 
     def validate(self, prefix: str) -> None:
-        if self.channels < 2:
-            raise OptionsError(f"{prefix}.channels", self.channels, "must be an integer >= 2")
-        if self.n_times < 2:
-            raise OptionsError(f"{prefix}.n_times", self.n_times, "must be an integer >= 2")
-        if self.num_classes < 2:
-            raise OptionsError(f"{prefix}.num_classes", self.num_classes, "must be an integer >= 2")
+        OptionsError.check(self.channels >= 2, f"{prefix}.channels", self.channels, "must be an integer >= 2")
+        OptionsError.check(self.n_times >= 2, f"{prefix}.n_times", self.n_times, "must be an integer >= 2")
+        OptionsError.check(self.num_classes >= 2, f"{prefix}.num_classes", self.num_classes, "must be an integer >= 2")
         if self.trials_per_client < 2 * self.num_classes:
             raise OptionsError(f"{prefix}.trials_per_client", self.trials_per_client, f"must be >= 2 * num_classes ({2 * self.num_classes})")
-        if not self.separation >= 0:
-            raise OptionsError(f"{prefix}.separation", self.separation, "must be >= 0")
-        if not self.heterogeneity >= 0:
-            raise OptionsError(f"{prefix}.heterogeneity", self.heterogeneity, "must be >= 0")
+        OptionsError.check(self.separation >= 0, f"{prefix}.separation", self.separation, "must be >= 0")
+        OptionsError.check(self.heterogeneity >= 0, f"{prefix}.heterogeneity", self.heterogeneity, "must be >= 0")
         if not 0 < self.amplitude < float("inf"):
             raise OptionsError(f"{prefix}.amplitude", self.amplitude, "must be a finite number > 0 (volts)")
         if self.representation not in REPRESENTATIONS:
@@ -80,8 +75,7 @@ class Options:
             raise OptionsError(f"{prefix}.estimator", self.estimator, "must be one of " + ", ".join(ESTIMATORS))
         if not 0.0 < self.test_fraction < 1.0:
             raise OptionsError(f"{prefix}.test_fraction", self.test_fraction, "must be in the open interval (0, 1)")
-        if self.dtype not in DTYPES:
-            raise OptionsError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
+        OptionsError.check(self.dtype in DTYPES, f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
 
 
 def _rng(seed: int, *key: int) -> np.random.Generator:
@@ -106,8 +100,7 @@ class SyntheticEEG:
 
     def __init__(self, options: Options, *, n_clients: int, seed: int):
         options.validate("data.options")
-        if n_clients < 1:
-            raise OptionsError("federation.n_clients", n_clients, "must be an integer >= 1")
+        OptionsError.check(n_clients >= 1, "federation.n_clients", n_clients, "must be an integer >= 1")
         self.options = options
         self.num_clients = n_clients
         self.seed = seed

@@ -173,14 +173,12 @@ class Options:
             raise OptionsError(f"{prefix}.dataset", self.dataset, "must be one of " + ", ".join(DATASETS))
         if self.partition not in PARTITIONS:
             raise OptionsError(f"{prefix}.partition", self.partition, "must be one of " + ", ".join(PARTITIONS))
-        if not self.alpha > 0:
-            raise OptionsError(f"{prefix}.alpha", self.alpha, "must be > 0")
+        OptionsError.check(self.alpha > 0, f"{prefix}.alpha", self.alpha, "must be > 0")
         for name in ("max_train_records", "max_test_records"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise OptionsError(f"{prefix}.{name}", value, "must be null (all) or an integer >= 1")
-        if self.dtype not in DTYPES:
-            raise OptionsError(f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
+        OptionsError.check(self.dtype in DTYPES, f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
 
 
 def build(options: Options, *, n_clients: int, seed: int) -> ArrayFederation:

@@ -111,8 +111,7 @@ def _validate_common(cfg) -> None:
     if not 1 <= f.clients_per_round <= f.n_clients:
         raise ConfigError("federation.clients_per_round", f.clients_per_round, f"must be between 1 and federation.n_clients ({f.n_clients})")
     positive_int("federation.batch_size", f.batch_size)
-    if not 0 < p.delta < 1:
-        raise ConfigError("privacy.delta", p.delta, "must be in (0, 1)")
+    ConfigError.check(0 < p.delta < 1, "privacy.delta", p.delta, "must be in (0, 1)")
     positive("privacy.clip", p.clip)
     if p.epsilon is not None:
         positive("privacy.epsilon", p.epsilon)
@@ -138,8 +137,7 @@ def validate_mestimation(cfg: MEstimationConfig) -> None:
         positive(f"strategy.{name}", getattr(s, name))
     for name in ("local_steps", "switch_round", "newton_steps"):
         positive_int(f"strategy.{name}", getattr(s, name))
-    if not 0 < s.damping <= 1:
-        raise ConfigError("strategy.damping", s.damping, "must be in (0, 1]")
+    ConfigError.check(0 < s.damping <= 1, "strategy.damping", s.damping, "must be in (0, 1]")
 
 
 def validate_ddpsa(cfg: DDPSAConfig) -> None:
@@ -150,12 +148,9 @@ def validate_ddpsa(cfg: DDPSAConfig) -> None:
         positive(f"ddpsa.{name}", getattr(d, name))
     for name, low in (("aggregators", 2), ("min_clients", 2), ("patience", 1)):
         at_least(f"ddpsa.{name}", getattr(d, name), low)
-    if not 0 < d.target_quantile < 1:
-        raise ConfigError("ddpsa.target_quantile", d.target_quantile, "must be in (0, 1)")
-    if not 0 < d.budget_share < 1:
-        raise ConfigError("ddpsa.budget_share", d.budget_share, "must be in (0, 1)")
-    if not 0 <= d.frac_bits <= 40:
-        raise ConfigError("ddpsa.frac_bits", d.frac_bits, "must be in [0, 40]")
+    ConfigError.check(0 < d.target_quantile < 1, "ddpsa.target_quantile", d.target_quantile, "must be in (0, 1)")
+    ConfigError.check(0 < d.budget_share < 1, "ddpsa.budget_share", d.budget_share, "must be in (0, 1)")
+    ConfigError.check(0 <= d.frac_bits <= 40, "ddpsa.frac_bits", d.frac_bits, "must be in [0, 40]")
     if cfg.federation.clients_per_round < d.min_clients:
         raise ConfigError("federation.clients_per_round", cfg.federation.clients_per_round,
                           f"must be >= ddpsa.min_clients ({d.min_clients}): the secure sum needs that many clients")

@@ -95,8 +95,7 @@ class SpherePCA:
     gradient_rule = None
 
     def __init__(self, d: int, p: int, retraction=None):
-        if p != 1:
-            raise OptionsError("model.options.p", p, "the sphere parametrisation needs p = 1")
+        OptionsError.check(p == 1, "model.options.p", p, "the sphere parametrisation needs p = 1")
         self.manifold = Sphere(d)
 
     @staticmethod
@@ -167,7 +166,6 @@ class FedPCA:
 def build(options: Options, info: dict, retraction=PolarRetraction) -> FedPCA:
 
     p = options.p if options.p is not None else info["p"]
-    if not (1 <= p < info["d"]):
-        raise OptionsError("model.options.p", p, f"must be between 1 and d-1 ({info['d'] - 1})")
+    OptionsError.check(1 <= p < info["d"], "model.options.p", p, f"must be between 1 and d-1 ({info['d'] - 1})")
     dtype = DTYPES[info.get("dtype", "float32")]
     return FedPCA(info["d"], p, PARAMETRISATIONS[options.manifold], dtype, retraction)

@@ -214,10 +214,8 @@ class Options:
     l2: float = 1e-3
 
     def validate(self, prefix: str) -> None:
-        if self.task not in TASKS:
-            raise OptionsError(f"{prefix}.task", self.task, "must be one of " + ", ".join(TASKS))
-        if self.l2 < 0:
-            raise OptionsError(f"{prefix}.l2", self.l2, "must be >= 0")
+        OptionsError.check(self.task in TASKS, f"{prefix}.task", self.task, "must be one of " + ", ".join(TASKS))
+        OptionsError.check(self.l2 >= 0, f"{prefix}.l2", self.l2, "must be >= 0")
 
 
 def model_dtype(info: dict) -> torch.dtype:
@@ -228,8 +226,7 @@ def task_of(options, info: dict) -> str:
     """The task of a model of ``options`` (validated) on data described by ``info``: the data's."""
     options.validate("model.options")
     task = info["task"] if options.task == "auto" else options.task
-    if task != info["task"]:
-        raise OptionsError("model.options.task", options.task, f"the data is a {info['task']} task")
+    OptionsError.check(task == info["task"], "model.options.task", options.task, f"the data is a {info['task']} task")
     return task
 
 

@@ -123,10 +123,8 @@ class Options:
             raise OptionsError(f"{prefix}.hidden", self.hidden, "every width must be an integer >= 1")
         if self.activation not in ACTIVATIONS:
             raise OptionsError(f"{prefix}.activation", self.activation, "must be one of " + ", ".join(ACTIVATIONS))
-        if self.task not in TASKS:
-            raise OptionsError(f"{prefix}.task", self.task, "must be one of " + ", ".join(TASKS))
-        if self.l2 < 0:
-            raise OptionsError(f"{prefix}.l2", self.l2, "must be >= 0")
+        OptionsError.check(self.task in TASKS, f"{prefix}.task", self.task, "must be one of " + ", ".join(TASKS))
+        OptionsError.check(self.l2 >= 0, f"{prefix}.l2", self.l2, "must be >= 0")
 
 
 def build(options: Options, info: dict, retraction=None) -> MLP:

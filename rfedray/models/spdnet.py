@@ -237,8 +237,7 @@ class Options:
             raise OptionsError(f"{prefix}.d", self.d, "must be null (Table 5) or an integer >= 1")
         if self.eps_reeig is not None and not 0.0 < self.eps_reeig < float("inf"):
             raise OptionsError(f"{prefix}.eps_reeig", self.eps_reeig, "must be null (Table 5) or a finite number > 0")
-        if self.depth < 1:
-            raise OptionsError(f"{prefix}.depth", self.depth, "must be an integer >= 1")
+        OptionsError.check(self.depth >= 1, f"{prefix}.depth", self.depth, "must be an integer >= 1")
         if self.init_filters is not None:
             filters = self.init_filters
             if not filters or not all(f and all(math.isfinite(w) for w in f.values()) and any(w != 0 for w in f.values())
