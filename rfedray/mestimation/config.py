@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 from rfedray.config import ENGINES, at_least, check_noise_seed, choice, positive, positive_int, read_layers, structured
+from rfedray import registry
 from rfedray.errors import ConfigError
 
-DATA_MODULES = {"sklearn": "rfedray.data.sklearn_data", "vision": "rfedray.data.vision"}
-MODEL_MODULES = {"logreg": "rfedray.models.logreg", "mlp": "rfedray.models.mlp"}
+DATA_MODULES = {name: registry.DATA_SOURCES[name] for name in ("sklearn", "vision")}
+MODEL_MODULES = {name: registry.MODELS[name] for name in ("logreg", "mlp")}
+"""The registry's data sources and models of the Euclidean systems."""
 STRATEGIES = ("fedsgd", "fedavg", "fedhybrid", "fednewton")
 CLIPPINGS = ("static", "median", "private_quantile")
 
@@ -122,11 +124,8 @@ def _validate_common(cfg) -> None:
     check_noise_seed("privacy.noise_seed", p.noise_seed)
     choice("data.name", cfg.data.name, tuple(DATA_MODULES))
     choice("model.name", cfg.model.name, tuple(MODEL_MODULES))
-    from rfedray import registry
-    import importlib
-
-    registry.resolve_options(importlib.import_module(DATA_MODULES[cfg.data.name]), dict(cfg.data.options), "data.options")
-    registry.resolve_options(importlib.import_module(MODEL_MODULES[cfg.model.name]), dict(cfg.model.options), "model.options")
+    registry.resolve_options(registry.data_module(cfg.data.name), dict(cfg.data.options), "data.options")
+    registry.resolve_options(registry.model_module(cfg.model.name), dict(cfg.model.options), "model.options")
 
 
 def validate_mestimation(cfg: MEstimationConfig) -> None:
