@@ -1,4 +1,5 @@
-"""The secure-aggregation actors of DDP-SA: S :class:`~rfedray.ddpsa.secure_aggregation.ShareAggregator`
+"""The secure-aggregation actors of DDP-SA and of the clients' test evaluation
+(:mod:`rfedray.federated.evaluation`): S :class:`~rfedray.ddpsa.secure_aggregation.ShareAggregator`
 actors, each receiving one share of every client's update (see :mod:`rfedray.ddpsa.secure_aggregation`;
 :class:`~rfedray.ddpsa.secure_aggregation.LocalAggregators` is the same group in one process).
 """

@@ -7,7 +7,8 @@ store. The clients of the cohort it hosts are trained together, one set of kerne
 (:func:`rfedray.federated.client.train_together`), with the results of training them one by one. Its only
 training method returns, per client, a
 :class:`~rfedray.federated.client.LocalResult` (submission, optimiser state, train seconds: all
-privatised) or a :class:`~rfedray.federated.client.ClientFailure`.
+privatised) or a :class:`~rfedray.federated.client.ClientFailure`; its evaluation method sends
+the secret shares of its clients' test metrics to the aggregators (:mod:`rfedray.federated.evaluation`).
 
 The clients of the core are stateless between rounds (optimiser state comes back with each result
 and is kept by the server side; randomness is a function of ``(noise_seed, client, round)`` or OS
@@ -134,17 +135,9 @@ class ClientActor:
             dataset = DeviceDataset(dataset, self.device)
         self.client_ids = sorted(int(c) for c in client_ids)
         self._executor = LocalExecutor(cfg, dataset, build_model(cfg, dataset.info, given), plan)
-        for cid in self.client_ids:
-            try:
-                self._executor.client(cid)
-            except RfedrayError:
-                raise  # rfedray's own message, which says nothing about the records
-            except Exception as exc:
-                # The data's own message may quote records: it stays in this actor's log, on the client's
-                # node; the server (and the error of the run) learns only its type.
-                log.exception("client %d: loading its records failed", cid)
-                raise RfedrayError(f"client {cid}: {type(exc).__name__} while loading its records (its message is "
-                                   "in the client actor's log, on the client's node)") from None
+        # A data error's own message stays in this actor's log, on the client's node; the server (and the
+        # error of the run) learns only its type.
+        self._executor.load(self.client_ids, "the client actor's log, on the client's node")
 
     def train(
         self, cohort: Sequence[int], theta: dict[str, torch.Tensor], round_index: int,
@@ -180,6 +173,12 @@ class ClientActor:
                 r = LocalResult(to_device(r.submission, cpu), to_device(r.optimizer_state, cpu), r.train_seconds)
             results[cid] = r
         return results
+
+    def evaluate(self, task, theta: dict[str, torch.Tensor], round_index: int) -> dict[int, Any]:
+        """``task`` (:class:`~rfedray.federated.evaluation.EvaluationTask`) on every client hosted
+        here, each on its own test split: per client what the task answers (its metrics' names; the
+        values leave as secret shares only) or a ClientFailure."""
+        return self._executor.evaluate_clients(task, to_device(theta, self.device), round_index, self.client_ids)
 
     def describe(self) -> dict[str, Any]:
         """Where this actor runs: process, node, torch device and threads, hosted client ids."""

@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import ray
 
 from actors.accountant_actor import RemoteLedger, start_accountant
+from actors.aggregators import RayAggregators
 from actors.client_actor import ClientPool, RemoteClientActor, RemoteTaskHostActor, assign_clients
 from actors.cluster import ClusterShape
 from actors.session import RaySession, check_ray_config, user_code_env
@@ -39,6 +40,7 @@ from rfedray.config import Config, RayConfig
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import ClientFailure, LocalResult
 from rfedray.federated.engine import ClientTask, TaskSpec
+from rfedray.federated.evaluation import NUM_AGGREGATORS
 from rfedray.federated.loop import Federation
 from rfedray.federated.resume import accounting_fingerprint
 from rfedray.federated.setup import local_plan
@@ -178,6 +180,7 @@ class RayExecutor:
         self.pool: Optional[ClientPool] = None
         self.calls: Optional[ActorCalls] = None
         self.accountant = None
+        self.aggregators: Optional[RayAggregators] = None
 
     def start(self, fed: Federation) -> list[dict]:
         """Start the client actors and, for a private run off one machine, the accountant; wait until they are up.
@@ -225,8 +228,26 @@ class RayExecutor:
 
         return self.calls.run(cohort, train, round_index)
 
+    def evaluate_clients(self, task, theta: Params, round_index: int) -> dict[int, Any]:
+        """``task`` on every client, on the actors hosting them, within the round deadline
+        (:meth:`ActorCalls.run`; :mod:`rfedray.federated.evaluation`)."""
+        theta_ref, task_ref = ray.put(theta), ray.put(task)
+
+        def evaluate(actor, members: list[int]) -> ray.ObjectRef:
+            return actor.evaluate.remote(task_ref, theta_ref, round_index)
+
+        return self.calls.run(range(len(self.pool.slot_of)), evaluate, round_index)
+
+    def share_aggregators(self) -> RayAggregators:
+        """The evaluation's aggregator actors (started on first use, stopped by :meth:`close`)."""
+        if self.aggregators is None:
+            self.aggregators = RayAggregators(NUM_AGGREGATORS)
+        return self.aggregators
+
     def close(self) -> None:
         """Stop the actors; shut Ray down if this run started it."""
+        if self.aggregators is not None:
+            self.aggregators.close()
         if self.pool is not None:
             self.pool.close()
         if self.accountant is not None:

@@ -103,7 +103,7 @@ def write_files(folder: Path, n_clients: int = 4, records: int = 96, channels: i
 
 
 SETTINGS = {
-    "run": {"name": "custom-spdnet"},
+    "run": {"name": "custom-spdnet", "test_set": "server"},  # the server holds the test file (eval_data)
     "federation": {"n_clients": 4, "clients_per_round": 2, "local_steps": 4, "batch_size": 32},
     "privacy": {"epsilon": 8.0, "delta": 1e-5, "clip": 1.0},
     "optim": {"bimap": {"name": "rsgd", "lr": 0.1}, "head": {"name": "sgd", "lr": 0.5}},

@@ -524,7 +524,8 @@ class Auditor:
     ----------
     cfg : Config
         A private federated-PCA configuration (``model.name: fedpca``) whose clients all take part
-        in every round (``federation.clients_per_round = federation.n_clients``).
+        in every round (``federation.clients_per_round = federation.n_clients``). Its trials are
+        evaluated by the server (``run.test_set: server``, whatever the configuration says).
     plan : AuditPlan
 
     Raises
@@ -544,6 +545,9 @@ class Auditor:
             raise ConfigError("federation.clients_per_round", fed_cfg.clients_per_round,
                               f"the audit's clients take part in every round: set it to federation.n_clients ({fed_cfg.n_clients})")
         plan.validate()
+        # The trials' evaluation is the server's (federated PCA's oracle, run.test_set=server): the audit
+        # measures the submissions only, so its trials need no secure aggregation of test results.
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, test_set="server"))
         self.cfg, self.plan = cfg, plan
         self.fed = Federation.prepare(cfg, run_dir=None)
         privacy = self.fed.privacy

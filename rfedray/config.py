@@ -28,6 +28,8 @@ from rfedray.errors import ConfigError
 from rfedray.options import closest
 
 ENGINES = ("ray", "local")
+TEST_SETS = ("clients", "server")
+"""Where the global model is evaluated (``run.test_set``; :mod:`rfedray.federated.evaluation`)."""
 ACCOUNTANTS = ("exact", "prirfed")
 """Accountants a run may use: those that bound epsilon from above."""
 APPROXIMATE_ACCOUNTANTS = ("clt",)
@@ -55,6 +57,7 @@ class RunConfig:
     engine: str = "ray"
     checkpoint_every: int = 10
     evaluate_every: int = 1
+    test_set: str = "clients"  # clients: each on its own test split, the server sees a secure sum; server: its eval_data()
     threads: Optional[int] = None  # torch/BLAS threads of a process that trains; None: from the work (rfedray.threads)
 
 
@@ -393,6 +396,7 @@ def validate(cfg: Config) -> None:
     positive_int("run.rounds", r.rounds)
     positive_int("run.checkpoint_every", r.checkpoint_every)
     positive_int("run.evaluate_every", r.evaluate_every)
+    choice("run.test_set", r.test_set, TEST_SETS)
     if r.threads is not None:
         positive_int("run.threads", r.threads)
     ConfigError.check(0 <= r.seed <= MAX_SEED, "run.seed", r.seed, f"must be an integer in [0, {MAX_SEED}]")

@@ -38,7 +38,9 @@ class ClientData:
     train : tuple of Tensor
         Training records, each of shape ``(m, ...)``.
     test : tuple of Tensor or None
-        The client's local test split, if the task has one.
+        The client's local test split, if the task has one, in the form of :attr:`EvalData.tensors`:
+        with ``run.test_set: clients`` the client evaluates the model on it where it is hosted
+        (:mod:`rfedray.federated.evaluation`).
     """
 
     train: tuple[Tensor, ...]
@@ -51,10 +53,10 @@ class ClientData:
 
 @dataclass
 class EvalData:
-    """Data the server may evaluate on without touching any client's training records.
+    """Data the server evaluates on with ``run.test_set: server``, in the server process.
 
-    For tasks with held-out test sets this is the union of those sets (not part of any training
-    transcript). For synthetic tasks it may be a simulation oracle (e.g. the pooled covariance of
+    A test set the server holds (not part of any training transcript); for EEG sources the union
+    of the clients' test splits (which the server process then loads: a simulation choice). For synthetic tasks it may be a simulation oracle (e.g. the pooled covariance of
     federated PCA), computed from the training records themselves: ``oracle=True`` marks it, and
     :meth:`labelled` names its metrics ``oracle_*`` wherever they go. A metric of the training
     records is not covered by the privacy guarantee (replacing one record moves it by far more

@@ -12,6 +12,7 @@ from torch import nn
 import rfedray
 from rfedray.cli import main
 from rfedray.config import ConfigError, to_yaml
+from rfedray.errors import RfedrayError
 from rfedray.paths import packaged_configs
 from rfedray.progress import bar
 
@@ -22,7 +23,7 @@ def test_a_config_reads_the_same_from_a_file_a_name_a_dict_and_overrides(tmp_pat
     overrides = ("run.rounds=7", "federation.n_clients=12")
     from_file = rfedray.load(ROOT / "configs" / "fedpca.yaml", *overrides)
     from_name = rfedray.load("fedpca", *overrides)
-    from_dict = rfedray.load({"run": {"rounds": 7}, "federation": {"n_clients": 12}, "model": {"options": {"manifold": "grassmann"}},
+    from_dict = rfedray.load({"run": {"rounds": 7, "test_set": "server"}, "federation": {"n_clients": 12}, "model": {"options": {"manifold": "grassmann"}},
                               "data": {"options": {"d": 40, "p": 4, "records_per_client": 2000}}})
     assert to_yaml(from_file) == to_yaml(from_name) == to_yaml(rfedray.load(from_dict)) == to_yaml(from_dict)
     with pytest.raises(ConfigError, match=r"federation.clients_per_round=5: must be between 1 and federation.n_clients \(3\)"):
@@ -61,23 +62,24 @@ def linear_model():
 
 RUN = ["federation.n_clients=3", "federation.clients_per_round=3", "federation.local_steps=5", "federation.batch_size=10",
        "run.rounds=6", "privacy.epsilon=10", "privacy.clip=5.0", "optim.default.name=sgd", "optim.default.lr=0.3",
-       "monitoring.progress=false"]
+       "monitoring.progress=false", "run.test_set=server"]  # Lines' eval_data: a test set the server holds
 
 
-def test_a_client_holding_other_than_its_declared_size_never_trains(tmp_path, caplog):
-    honest = rfedray.run(None, *RUN, f"run.output_dir={tmp_path}", model=linear_model(), dataset=Lines([40, 40, 40]),
-                         engine="local")
+def test_a_client_holding_other_than_its_declared_size_stops_the_run_before_any_charge(tmp_path, caplog):
+    honest = rfedray.run(None, *RUN, f"run.output_dir={tmp_path / 'honest'}", model=linear_model(),
+                         dataset=Lines([40, 40, 40]), engine="local")
     start = linear_model()
     initial_loss = start.evaluate(start.init_params(None), Lines([40]).eval_data())["loss"]  # about |w|^2 = 5.25
     assert honest.summary["client_failures"] == 0 and honest.summary["final_metrics"]["loss"] < initial_loss / 3
-    lying = rfedray.run(None, *RUN, f"run.output_dir={tmp_path}", model=linear_model(),
-                        dataset=Lines([40, 40, 40], held=[40, 20, 40]), engine="local")
-    # Client 1 declares 40 records (the accountant's B/m) but holds 20: it is a dropout of every round.
-    assert lying.summary["client_failures"] == 6 and all(r["answered"] == 2 for r in lying.metrics)
-    assert lying.summary["epsilon_spent"] == honest.summary["epsilon_spent"]
-    said = [r.getMessage() + (r.exc_text or "") for r in caplog.records]
-    assert any("client 1 does not hold the 40 training records" in line for line in said)
-    assert not any("20" in line for line in said)  # what it holds is not declared: not in the logs either
+    # Client 1 declares 40 records (the accountant's B/m) but holds 20: the local engine loads every client
+    # before round 0, as client actors do, so the run is refused before anything is charged.
+    with pytest.raises(RfedrayError) as refused:
+        rfedray.run(None, *RUN, f"run.output_dir={tmp_path / 'lying'}", model=linear_model(),
+                    dataset=Lines([40, 40, 40], held=[40, 20, 40]), engine="local")
+    assert "client 1 does not hold the 40 training records" in str(refused.value)
+    said = [r.getMessage() + (r.exc_text or "") for r in caplog.records] + [str(refused.value)]
+    assert not any("20" in line for line in said)  # what it holds is not declared: not in the error or logs either
+    assert not list((tmp_path / "lying").glob("*/budget.json")) and not list((tmp_path / "lying").glob("*/metrics.jsonl"))
 
 
 def test_data_without_server_evaluation_runs(tmp_path):

@@ -57,9 +57,13 @@ def test_unknown_key_suggests_the_closest():
 
 
 def test_default_file_equals_built_in_default():
+    """But for its evaluation: the shipped job opts into the oracle (the server loads every client's
+    records), the built-in default evaluates on the clients' test splits."""
     from rfedray import registry
 
     shipped, built_in = load_config(ROOT / "configs" / "fedpca.yaml"), load_config(None)
+    assert (shipped.run.test_set, built_in.run.test_set) == ("server", "clients")
+    shipped.run.test_set = built_in.run.test_set
     for cfg in (shipped, built_in):
         cfg.model.options = vars(registry.resolve_options(registry.model_module(cfg.model.name), cfg.model.options, "m"))
         cfg.data.options = vars(registry.resolve_options(registry.data_module(cfg.data.source), cfg.data.options, "d"))

@@ -15,7 +15,7 @@ SMALL = [
     "run.rounds=30", "federation.n_clients=6", "federation.clients_per_round=3",
     "federation.local_steps=3", "federation.batch_size=40", "data.options.d=12",
     "data.options.p=2", "data.options.records_per_client=300", "privacy.noise_seed=7",
-    "monitoring.progress=false",
+    "monitoring.progress=false", "run.test_set=server",  # the oracle: the gap to the pooled optimum
 ]
 
 

@@ -93,6 +93,7 @@ def test_user_mlp_trains_privately_on_digits(tmp_path):
         "data.source=sklearn", "data.options.dataset=digits", "federation.n_clients=4", "federation.clients_per_round=4",
         "federation.local_steps=5", "federation.batch_size=50", "run.rounds=12", "privacy.epsilon=4", "privacy.clip=1.0",
         "optim.default.name=sgd", "optim.default.lr=2.0", "monitoring.progress=false", f"run.output_dir={tmp_path}",
+        "run.test_set=server",  # digits' test part, held by the server
     ]
     model = ModuleModel(UserMLP(64, 32, 10), loss=F.cross_entropy, metrics=accuracy)
     assert all(isinstance(m, Euclidean) for m in model.groups.values()) and len(model.groups) == 4

@@ -21,7 +21,7 @@ from rfedray.observers import MetricsObserver, ProgressObserver
 SMALL = [
     "run.rounds=3", "federation.n_clients=4", "federation.clients_per_round=2", "federation.local_steps=2",
     "federation.batch_size=20", "data.options.d=8", "data.options.p=2", "data.options.records_per_client=100",
-    "privacy.noise_seed=5", "monitoring.metrics_port=0",
+    "privacy.noise_seed=5", "monitoring.metrics_port=0", "run.test_set=server",
 ]
 ORACLE = {"metric_oracle_loss", "metric_oracle_gap", "metric_oracle_distance"}
 

@@ -50,7 +50,8 @@ class Quoting(CovarianceFiles):
 SMALL = ["federation.n_clients=4", "federation.clients_per_round=2", "federation.local_steps=2",
          "federation.batch_size=16", "run.rounds=3", "privacy.epsilon=8", "privacy.clip=1.0", "privacy.noise_seed=5",
          "optim.bimap.name=rsgd", "optim.bimap.lr=0.1", "optim.head.name=sgd", "optim.head.lr=0.5",
-         "monitoring.progress=false", "ray.num_client_actors=2", "ray.num_cpus_per_actor=0.5"]
+         "monitoring.progress=false", "ray.num_client_actors=2", "ray.num_cpus_per_actor=0.5",
+         "run.test_set=server"]  # CovarianceFiles' test file is the server's
 
 
 @pytest.fixture(scope="module")

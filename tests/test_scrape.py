@@ -62,9 +62,12 @@ def test_prometheus_stores_what_the_run_reports(tmp_path, prometheus):
     assert labels["run_id"] == run_dir.name and labels["scheme"] == "projavg"
 
 
-def test_no_client_value_leaks_through_metrics_logs_or_summary(tmp_path):
+@pytest.mark.parametrize("test_set", ["clients", "server"])
+def test_no_client_value_leaks_through_metrics_logs_or_summary(tmp_path, test_set):
+    """Evaluated by the clients (the default; synthetic PCA's clients hold no test split, so no
+    metric: ``evaluated_clients`` 0) or by the server (the oracle's metrics, ``metric_oracle_*``)."""
     port = free_port()
-    proc = start_run(tmp_path, port, "monitoring.linger_seconds=3", "--verbose")
+    proc = start_run(tmp_path, port, "monitoring.linger_seconds=3", "--verbose", f"run.test_set={test_set}")
     run_dir = Path(proc.stdout.readline().strip())
     body = ""
     deadline = time.time() + 240
@@ -87,7 +90,8 @@ def test_no_client_value_leaks_through_metrics_logs_or_summary(tmp_path):
     # metrics.jsonl and summary.json hold only run-level values: no per-client keys.
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     allowed = {"round", "cohort_size", "answered", "failed", "rejected", "epsilon_spent", "ledger_charges", "round_seconds",
-               "aggregation_seconds", "local_train_seconds", "metric_oracle_loss", "metric_oracle_gap", "metric_oracle_distance"}
+               "aggregation_seconds", "local_train_seconds", "evaluated_clients",  # a run-level count of clients
+               "metric_oracle_loss", "metric_oracle_gap", "metric_oracle_distance"}
     for record in records:
         assert set(record) <= allowed, set(record) - allowed
         assert record["local_train_seconds"] == sorted(record["local_train_seconds"])  # no client order

@@ -24,7 +24,7 @@ SMALL = [
     "run.engine=local", "run.rounds=16", "federation.n_clients=4", "federation.clients_per_round=3",
     "federation.local_steps=2", "federation.batch_size=20", "data.options.d=8", "data.options.p=2",
     "data.options.records_per_client=100", "privacy.sigma=0.05", "privacy.epsilon=null", "privacy.noise_seed=3",
-    "monitoring.progress=false", "monitoring.metrics_port=0",
+    "monitoring.progress=false", "monitoring.metrics_port=0", "run.test_set=server",  # the oracle gap
 ]
 
 GARBAGE = {

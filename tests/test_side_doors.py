@@ -9,6 +9,10 @@
   is set (global torch and numpy seeds do not make a run reproducible), and a seeded run is marked
   ``not_for_production`` in its summary and ``rfedray_not_for_production 1`` in its metrics.
 
+* A client's own test result (:meth:`Client.evaluate_test`, called in the process hosting it) never
+  reaches the server: the client actor's ``evaluate`` answers the metrics' names only and sends the
+  values as secret shares, and an aggregator refuses to sum one client's shares alone.
+
 (``tests/test_scrape.py`` checks the run's logs, metrics and summary.)
 """
 
@@ -24,10 +28,12 @@ import torch
 from torch.func import vmap
 
 from rfedray.config import load_config
+from rfedray.ddpsa.secure_aggregation import FixedPointCodec, LocalAggregators, collect_sum
 from rfedray.federated.client import Client, LocalResult, round_generator
+from rfedray.federated.evaluation import EvaluationTask
 from rfedray.federated.loop import Federation
 from rfedray.federated.rundir import RunDirectory
-from rfedray.federated.setup import build_client, build_scheme, local_plan
+from rfedray.federated.setup import build_client, build_scheme, initial_params, local_plan
 from rfedray.privacy import mechanism, randomness
 from rfedray.privacy.mechanism import nonprivate_gradient, per_sample_gradients, sample_batch
 
@@ -146,6 +152,9 @@ def train_once(client, theta):
 CLIENT_CALLS = {
     "local_train": train_once,
     "num_records": lambda client, theta: client.num_records,
+    # The client's own test result, for the process hosting it (here: no test split, None); what leaves
+    # that process is secret shares (ClientActor.evaluate, test_a_clients_test_result_...).
+    "evaluate_test": lambda client, theta: client.evaluate_test(theta),
 }
 """How to call each public member of Client; the arguments are what any caller could pass."""
 
@@ -190,6 +199,7 @@ def test_the_secret_detector_sees_a_leak(setup):
 ACTOR_CALLS = {
     "train": lambda actor, theta: actor.train.remote([CLIENT], theta, 0, {}),
     "describe": lambda actor, theta: actor.describe.remote(),
+    "evaluate": lambda actor, theta: actor.evaluate.remote(EvaluationTask(FixedPointCodec(), LocalAggregators(2)), theta, 0),
 }
 """How to call each public method of the client actor (through Ray, as the server does)."""
 
@@ -224,6 +234,57 @@ def test_no_public_method_of_the_client_actor_releases_a_secret(setup, ray_sessi
         assert_privatised(result, found, fed.cfg.privacy.sigma, fed.cfg.optim["default"].lr)
     finally:
         ray_session.kill(actor)
+
+
+EEG = [
+    "model.name=spdnet", "model.options.d=4", "data.source=synthetic_eeg", "data.options.channels=8",
+    "data.options.trials_per_client=24", "federation.n_clients=3", "federation.clients_per_round=2",
+    "federation.batch_size=6", "privacy.epsilon=8", "monitoring.progress=false",
+]
+"""Clients with test splits (synthetic EEG, SPDNet)."""
+
+
+def test_a_clients_test_result_reaches_the_server_only_as_shares(ray_session, tmp_path):
+    """On Ray the server calls ``ClientActor.evaluate``: it answers the metrics' names only, the values
+    go as secret shares to the aggregators, and an aggregator refuses to sum one client's shares
+    alone; over two clients the server decodes their sum, the metrics of the union of their splits."""
+    from actors.aggregators import RayAggregators
+    from actors.client_actor import RemoteClientActor
+
+    cfg = load_config(None, EEG)
+    fed = Federation.prepare(cfg, RunDirectory(tmp_path))
+    theta = initial_params(cfg, fed.model)
+    plan = local_plan(cfg, fed.privacy)
+    # What only the process hosting a client sees: its test records and its own test result.
+    own = {cid: build_client(cfg, cid, fed.dataset, fed.model, plan).evaluate_test(theta) for cid in (0, 1)}
+    test_records = [fed.dataset.client_data(cid).test[0] for cid in (0, 1)]
+    scalars = [v for n, metrics in own.values() for m in metrics.values() for v in (m, n * m)]
+    found = Secrets([x.flatten().double() for records in test_records for x in records], np.array(scalars), {})
+    assert all(n > 0 for n, _ in own.values()) and leaks([own[0]], found)  # the detector sees a client's result
+
+    codec = FixedPointCodec(max_parties=cfg.federation.n_clients)
+    aggregators = RayAggregators(2)
+    actor = RemoteClientActor.options(num_cpus=0).remote(cfg, [0, 1], plan, 1)
+    try:
+        task = EvaluationTask(codec, aggregators)
+        names = tuple(sorted(own[0][1]))
+        for round_index in (0, 1):
+            answer = ray_session.get(actor.evaluate.remote(task, theta, round_index), timeout=120)
+            assert answer == {0: names, 1: names}  # names only: the values left as shares
+            assert not leaks(answer, found)
+            assert aggregators.received(round_index) == [[0, 1], [0, 1]]
+        with pytest.raises(ray_session.exceptions.RayTaskError, match="refuses to sum 1 < min_clients=2"):
+            aggregators.partial_sums(0, [1])  # one client's shares alone: refused, and the round's shares dropped
+        assert aggregators.received(0) == [[], []]
+        both = collect_sum(aggregators, codec, 1)
+        assert both.participants == [0, 1]
+        (n0, m0), (n1, m1) = own[0], own[1]
+        assert both.total[0] == n0 + n1
+        union = {k: (n0 * m0[k] + n1 * m1[k]) / (n0 + n1) for k in names}
+        assert np.allclose(both.total[1:1 + len(names)] / (n0 + n1), [union[k] for k in names], rtol=0, atol=1e-6)
+    finally:
+        ray_session.kill(actor)
+        aggregators.close()
 
 
 # ----- the noise generator and the not-for-production mark ------------------------------------------

@@ -77,7 +77,7 @@ def test_fitted_clip_is_in_the_paper_config():
 TINY_JOBS = [["run.engine=local", "run.rounds=3", "federation.n_clients=4", "federation.clients_per_round=2",
              "data.options.records_per_client=50", "data.options.d=6", "data.options.p=2",
              "federation.batch_size=10", "federation.local_steps=2", f"run.seed={seed}",
-             f"privacy.noise_seed={seed}"] for seed in (0, 1)]
+             f"privacy.noise_seed={seed}", "run.test_set=server"] for seed in (0, 1)]
 
 
 def test_an_interrupted_study_reuses_finished_runs_and_reruns_the_others(tmp_path, capsys):

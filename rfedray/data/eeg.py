@@ -40,8 +40,11 @@ Clients: the chosen subjects, in order, are cut into ``n_clients`` contiguous gr
 2; 10 Weibo2014 subjects -> 5 of 2; 17 PhysionetMI subjects -> 17 of 1 or 6 of 3, 3, 3, 3, 3, 2).
 Every subject's trials are split into train and test, stratified by class (``test_fraction`` of
 each class, at random, seeded by ``(split_seed, subject)``), so the test set is the same however
-the subjects are grouped; a client holds the training trials of its subjects. The server
-evaluates on the union of the test splits. For the hyperparameter search
+the subjects are grouped; a client holds the training and test trials of its subjects. Each client
+evaluates on its own test split and the server learns the secure-aggregated sum
+(``run.test_set: clients``, :mod:`rfedray.federated.evaluation`): the metrics of the union of the
+test splits, which :meth:`MOABBEEG.eval_data` loads in the server process for
+``run.test_set: server``. For the hyperparameter search
 (``evaluate_on: validation``) the test splits are set aside unseen and a validation split is cut
 from each subject's training trials (seeded by ``run.seed``) and evaluated on instead
 (:class:`Holdout`).
@@ -543,7 +546,7 @@ class Options:
     test_fraction : float
         Fraction of each client's trials (per class) held out for testing.
     evaluate_on : str
-        ``test`` (the runs): the server evaluates on the union of the subjects' test splits.
+        ``test`` (the runs): the model is evaluated on the subjects' test splits.
         ``validation`` (hyperparameter search): every test split is set aside unseen, and
         ``validation_fraction`` of each subject's training trials (per class) are held out and
         evaluated on instead (:class:`Holdout`; the validation split is seeded by ``run.seed``).

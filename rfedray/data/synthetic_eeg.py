@@ -9,8 +9,8 @@ The amplitude (1e-5 V by default) is that of real scalp EEG, so covariances are 
 
 Trials go through the same steps as the real data of :mod:`rfedray.data.eeg`: conversion to
 microvolts (MOABB's unit), then the ``covariance`` representation (shrinkage estimate divided by
-its mean eigenvalue) or the ``raw`` one; the same stratified per-client train/test split; the
-server evaluates on the union of the test splits. Everything is a deterministic function of
+its mean eigenvalue) or the ``raw`` one; the same stratified per-client train/test split, each
+client evaluating on its own (``eval_data`` is their union, for ``run.test_set: server``). Everything is a deterministic function of
 ``(seed, client_id)``.
 """
 

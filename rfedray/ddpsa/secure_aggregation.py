@@ -277,14 +277,18 @@ class SecureSum:
     dropped: list[int]
 
 
-def collect_sum(group: AggregatorGroup, codec: FixedPointCodec, round_index: int, min_clients: int = 2) -> SecureSum:
+def collect_sum(group: AggregatorGroup, codec: FixedPointCodec, round_index: int, min_clients: int = 2,
+                among: Optional[Sequence[int]] = None) -> SecureSum:
     """Server side: the sum over the clients whose every share arrived (see the module docstring).
 
-    Returns ``total=None`` (and discards the round everywhere) when fewer than ``min_clients``
-    clients completed.
+    ``among`` restricts the sum to those clients (the others count as dropped). Returns
+    ``total=None`` (and discards the round everywhere) when fewer than ``min_clients`` clients
+    completed.
     """
     views = group.received(round_index)
     complete = sorted(set.intersection(*(set(v) for v in views))) if views else []
+    if among is not None:
+        complete = sorted(set(complete) & set(among))
     dropped = sorted(set().union(*(set(v) for v in views)) - set(complete))
     if len(complete) < min_clients:
         group.discard(round_index)

@@ -47,7 +47,7 @@ from rfedray.privacy.mechanism import (
 )
 from rfedray.privacy.randomness import SecureGenerator
 from rfedray.privacy.plan import GaussianMechanism
-from rfedray.task import ClientData, FederatedModel, Params
+from rfedray.task import ClientData, EvalData, FederatedModel, Params
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,15 @@ class Client:
     @property
     def num_records(self) -> int:
         return self._data.num_records
+
+    def evaluate_test(self, theta: Params) -> Optional[tuple[int, dict[str, float]]]:
+        """The number of records of this client's own test split and the model's metrics of ``theta``
+        on it; ``None`` without a test split. For the process hosting the client: what leaves it is
+        secret-shared (:mod:`rfedray.federated.evaluation`)."""
+        test = self._data.test
+        if not test or int(test[0].shape[0]) == 0:
+            return None
+        return int(test[0].shape[0]), self.model.evaluate(theta, EvalData(tuple(test)))
 
     def local_train(self, theta: Params, round_index: int, optimizer_state: Optional[dict] = None) -> LocalResult:
         """Run tau local steps from ``theta`` and return the scheme's submission: :func:`train_together`

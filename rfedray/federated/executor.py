@@ -1,6 +1,7 @@
 """How the clients of a cohort are run: the engine behind the federation loop.
 
-The loop (:mod:`rfedray.federated.loop`) only calls :meth:`Executor.train`. The local executor
+The loop (:mod:`rfedray.federated.loop`) calls :meth:`Executor.train` and, to evaluate on the
+clients' own test splits, :meth:`Executor.evaluate_clients` (:mod:`rfedray.federated.evaluation`). The local executor
 runs the clients in this process, several at once where their optimiser states allow it
 (:func:`~rfedray.federated.client.train_together`); the Ray executor (``actors``) sends the same calls to client
 actors, each of which runs a local executor over its own clients. Both return, per client, a
@@ -10,10 +11,13 @@ actors, each of which runs a local executor over its own clients. Both return, p
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from rfedray.config import Config
+from rfedray.ddpsa.secure_aggregation import AggregatorGroup, LocalAggregators
+from rfedray.errors import RfedrayError
 from rfedray.federated.client import Client, ClientFailure, LocalPlan, LocalResult, batch_key, train_together
+from rfedray.federated.evaluation import NUM_AGGREGATORS
 from rfedray.federated.setup import build_client
 from rfedray.task import FederatedDataset, FederatedModel, Params
 
@@ -28,12 +32,19 @@ class Executor(Protocol):
     ) -> dict[int, LocalResult | ClientFailure]:
         """Local training of every client of ``cohort`` from ``theta``."""
 
+    def evaluate_clients(self, task: Callable, theta: Params, round_index: int) -> dict[int, Any]:
+        """``task(client, theta, round_index)`` on every client of the federation, where it is hosted
+        (:mod:`rfedray.federated.evaluation`); a client that raises answers a ClientFailure."""
+
+    def share_aggregators(self) -> AggregatorGroup:
+        """The secure-aggregation group the clients' shares go to (closed with the engine)."""
+
     def close(self) -> None:
         """Release the engine's resources."""
 
 
 class LocalExecutor:
-    """Every client in this process; a client's data is loaded the first time it is selected.
+    """Every client in this process; a client's data is loaded by :meth:`load` or the first time it is needed.
 
     The clients of a cohort are grouped by the structure of their optimiser states
     (:func:`~rfedray.federated.client.batch_key`) and each group is trained together by
@@ -60,6 +71,7 @@ class LocalExecutor:
         self.vectorise = vectorise
         self._clients: dict[int, Client] = {}
         self._declared: Optional[list[int]] = None
+        self._aggregators: Optional[LocalAggregators] = None
 
     def client(self, client_id: int) -> Client:
         if client_id not in self._clients:
@@ -68,6 +80,27 @@ class LocalExecutor:
             self._clients[client_id] = build_client(self.cfg, client_id, self.dataset, self.model, self.plan,
                                                     self._declared[client_id])
         return self._clients[client_id]
+
+    def load(self, client_ids: Sequence[int], log_name: str = "this process's log") -> None:
+        """Load and check the records (training and test split) of every client of ``client_ids`` now,
+        so that bad records stop the run before anything is charged.
+
+        Raises
+        ------
+        RfedrayError
+            rfedray's own message (it names a record by its index, never by its values), or, for
+            any other error, only its type: the data's own message may quote records, so it goes to
+            the log of the process hosting the client (``log_name`` says which).
+        """
+        for cid in client_ids:
+            try:
+                self.client(cid)
+            except RfedrayError:
+                raise
+            except Exception as exc:
+                log.exception("client %d: loading its records failed", cid)
+                raise RfedrayError(f"client {cid}: {type(exc).__name__} while loading its records (its message is "
+                                   f"in {log_name})") from None
 
     def train(self, cohort, theta, round_index, states):
         results: dict[int, LocalResult | ClientFailure] = {}
@@ -101,6 +134,22 @@ class LocalExecutor:
         except Exception as exc:  # a failing client is a dropout, never a crashed federation
             log.exception("client %d failed in round %d", cid, round_index)
             return ClientFailure(type(exc).__name__)
+
+    def evaluate_clients(self, task, theta, round_index, client_ids: Optional[Sequence[int]] = None):
+        """``task`` on every client (or those of ``client_ids``), in this process."""
+        answers: dict[int, Any] = {}
+        for cid in range(self.cfg.federation.n_clients) if client_ids is None else client_ids:
+            try:
+                answers[cid] = task(self.client(cid), theta, round_index)
+            except Exception as exc:  # its message may quote records: the log of the client's host only
+                log.exception("client %d: evaluation failed in round %d", cid, round_index)
+                answers[cid] = ClientFailure(type(exc).__name__)
+        return answers
+
+    def share_aggregators(self) -> AggregatorGroup:
+        if self._aggregators is None:
+            self._aggregators = LocalAggregators(NUM_AGGREGATORS)
+        return self._aggregators
 
     def close(self) -> None:
         self._clients.clear()

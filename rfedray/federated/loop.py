@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
 from rfedray.config import Config, to_yaml
+from rfedray.federated.evaluation import TEST_SETS
 from rfedray.federated.executor import Executor
 from rfedray.federated.resume import Checkpoints, RunState, WriteAheadLedger, accounting_fingerprint
 from rfedray.federated.rundir import RunDirectory
@@ -84,9 +85,14 @@ class Federation:
         return WriteAheadLedger(self.make_ledger(), self.checkpoints().fingerprint, self.run_dir)
 
     def local_executor(self) -> Executor:
+        """The local engine: every client in this process, its records (training and test split) loaded
+        and checked now, before anything is charged (:meth:`LocalExecutor.load`), as client actors do
+        when they start."""
         from rfedray.federated.executor import LocalExecutor
 
-        return LocalExecutor(self.cfg, self.dataset, self.model, local_plan(self.cfg, self.privacy))
+        executor = LocalExecutor(self.cfg, self.dataset, self.model, local_plan(self.cfg, self.privacy))
+        executor.load(range(self.cfg.federation.n_clients))
+        return executor
 
     def _server(self) -> Server:
         weights = self.sizes if self.cfg.aggregation.weighting == "data_size" else None
@@ -100,10 +106,10 @@ class Federation:
         seeded = cfg.privacy.noise_seed is not None
         if seeded and self.privacy.private:
             log.warning("privacy.noise_seed is set: reproducible noise, NOT FOR PRODUCTION")
-        # Load every piece of data before the run directory is touched: a bad input fails here.
-        eval_data = self.dataset.eval_data()
+        # Load every piece of data the server holds before the run directory is touched: a bad input fails here.
+        evaluation = TEST_SETS[cfg.run.test_set](self, executor)
         state = checkpoints.resume(ledger) if resume else self._start(checkpoints, ledger)
-        strategy = DPRFedProj(executor, self._server(), self.model, eval_data, cfg, state)
+        strategy = DPRFedProj(executor, self._server(), evaluation, cfg, state)
 
         def finish(record: dict, theta: Params, auth) -> None:
             record["ledger_charges"] = auth.state["charges"] if auth.state is not None else None
@@ -138,7 +144,7 @@ class Federation:
             "halted": outcome.halted,
             "halt_reason": outcome.halt_reason,
             "final_metrics": strategy.last_metrics,
-            "oracle_metrics": eval_data.oracle,
+            "oracle_metrics": evaluation.oracle,
             "client_failures": strategy.counters["client_failures"],
             "submissions_rejected": strategy.counters["submissions_rejected"],
             "wall_seconds": time.perf_counter() - started,

@@ -35,7 +35,7 @@ from rfedray.federated.client import LocalResult
 from rfedray.federated.executor import Executor
 from rfedray.federated.server import Server, cohort
 from rfedray.privacy.ledger import Authorization
-from rfedray.task import FederatedModel, Params
+from rfedray.task import Params
 
 log = logging.getLogger(__name__)
 
@@ -128,22 +128,22 @@ class DPRFedProj(Strategy):
     """Algorithm 1's round: each client of the
     cohort runs ``tau`` private steps from theta_t (the executor: this process, or Ray's client
     actors), and the server checks and combines their submissions into theta_{t+1} (theta_t stays
-    if none is usable); every ``run.evaluate_every`` rounds the model is evaluated.
+    if none is usable); every ``run.evaluate_every`` rounds the model is evaluated (on the clients'
+    test splits or the server's test set: :mod:`rfedray.federated.evaluation`).
 
     Parameters
     ----------
     executor : Executor
     server : Server
-    model : FederatedModel
-    eval_data : EvalData
+    evaluation : Evaluation
     cfg : Config
     state : RunState
         Where the run starts (:mod:`rfedray.federated.resume`): the clients' optimiser states, the
         counters and the last metrics, which the rounds update.
     """
 
-    def __init__(self, executor: Executor, server: Server, model: FederatedModel, eval_data, cfg: Config, state):
-        self.executor, self.server, self.model, self.eval_data, self.cfg = executor, server, model, eval_data, cfg
+    def __init__(self, executor: Executor, server: Server, evaluation, cfg: Config, state):
+        self.executor, self.server, self.evaluation, self.cfg = executor, server, evaluation, cfg
         self.opt_states: dict[int, dict] = state.optimizer_states
         self.counters: dict[str, int] = state.counters
         self.last_metrics: dict[str, float] = state.last_metrics
@@ -164,8 +164,11 @@ class DPRFedProj(Strategy):
         self.counters["client_failures"] += len(failures)
         self.counters["submissions_rejected"] += len(rejected)
         rounds, every = self.cfg.run.rounds, self.cfg.run.evaluate_every
-        if self.eval_data.tensors and ((t + 1) % every == 0 or t + 1 == rounds):
-            self.last_metrics = self.eval_data.labelled(self.model.evaluate(theta, self.eval_data))
+        evaluated = {}
+        if (t + 1) % every == 0 or t + 1 == rounds:
+            outcome = self.evaluation.evaluate(theta, t)
+            self.last_metrics = self.last_metrics if outcome.metrics is None else outcome.metrics
+            evaluated = outcome.fields
         return theta, {
             "cohort_size": len(chosen),
             "answered": len(answered) - len(rejected_ids & set(answered)),
@@ -173,5 +176,6 @@ class DPRFedProj(Strategy):
             "rejected": len(rejected),
             "aggregation_seconds": agg_seconds,
             "local_train_seconds": sorted(r.train_seconds for r in answered.values()),  # no client order
+            **evaluated,
             **{f"metric_{k}": v for k, v in self.last_metrics.items()},
         }

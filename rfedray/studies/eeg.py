@@ -327,7 +327,8 @@ class EEGCentralised(EEGStudy):
         """Overrides of the centralised run of ``model`` (one client, ``round(N / B)`` steps a round) and its plan."""
         from rfedray.federated.setup import build_dataset
 
-        one = ["federation.n_clients=1", "federation.clients_per_round=1", "privacy.enabled=false"]
+        # One client: the server evaluates on the test split (a secure sum needs at least two clients).
+        one = ["federation.n_clients=1", "federation.clients_per_round=1", "privacy.enabled=false", "run.test_set=server"]
         data, cfg = self.base(model, one)
         records = sum(build_dataset(cfg).client_sizes())
         steps = max(1, round(records / cfg.federation.batch_size))

@@ -271,6 +271,8 @@ class EEGPhysionet(EEGStudy):
             f"run.evaluate_every={horizon if search else 1}", *arm.overrides, *PRIVACY_COLUMNS[column],
             f"run.seed={seed}", f"privacy.noise_seed={seed}",
         ]
+        if n == 1:  # one client holding everything: the server evaluates (a secure sum needs two clients)
+            overrides.append("run.test_set=server")
         return overrides + (["data.options.evaluate_on=validation"] if search else [])
 
     def settings(self, scale: Scale) -> list[tuple[int, Arm, str]]:

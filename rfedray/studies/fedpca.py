@@ -43,6 +43,7 @@ def base_overrides(scale: Scale, seed: int, d: int, p: int) -> list[str]:
         f"federation.local_steps={scale.tau}", f"federation.batch_size={scale.batch}",
         f"data.options.records_per_client={scale.m}", f"data.options.d={d}", f"data.options.p={p}",
         f"privacy.clip={FITTED_CLIP}", "privacy.delta=1e-5", "optim.default.lr=0.2", "run.evaluate_every=1000000",
+        "run.test_set=server",  # the oracle gap (the simulation's server holds the pooled covariance)
     ]
 
 
