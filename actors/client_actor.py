@@ -128,13 +128,17 @@ class ClientActor:
     def __init__(self, cfg: Config, client_ids: Sequence[int], plan: LocalPlan, threads: int,
                  given: Optional[GivenTask] = None):
         use_threads(threads)
-        importlib.import_module("torch._dynamo")  # torch.func loads it on first use (seconds): not in round 0's deadline
         self.device = resolve_device(cfg.ray.device)
         dataset = build_dataset(cfg, given)
         if self.device.type != "cpu":
             dataset = DeviceDataset(dataset, self.device)
         self.client_ids = sorted(int(c) for c in client_ids)
-        self._executor = LocalExecutor(cfg, dataset, build_model(cfg, dataset.info, given), plan)
+        model = build_model(cfg, dataset.info, given)
+        if plan.closed_form_rule(model) is None:
+            # torch.func imports torch._dynamo on first use (seconds): here, not in round 0's deadline.
+            # A step with closed-form per-record gradients never does (~70 MiB less per actor).
+            importlib.import_module("torch._dynamo")
+        self._executor = LocalExecutor(cfg, dataset, model, plan)
         # A data error's own message stays in this actor's log, on the client's node; the server (and the
         # error of the run) learns only its type.
         self._executor.load(self.client_ids, "the client actor's log, on the client's node")

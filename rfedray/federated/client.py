@@ -85,6 +85,12 @@ class LocalPlan:
     def private(self) -> bool:
         return self.mechanism is not None
 
+    def closed_form_rule(self, model: FederatedModel) -> Any:
+        """The model's closed-form per-record gradients when this plan's steps use them (the private
+        step of a model that has them), else None: the steps then go through ``torch.func`` (whose
+        first call imports ``torch._dynamo``, seconds and ~70 MiB of a process)."""
+        return model.gradient_rule if self.private else None
+
 
 @dataclass
 class LocalResult:
@@ -218,7 +224,7 @@ class Client:
             mechanism = self.plan.mechanism
             return private_gradient_with_noise(
                 self.model.per_sample_loss, params, self.product, batch,
-                clip=mechanism.clip, sigma=mechanism.sigma, noise=noise, rule=self.model.gradient_rule,
+                clip=mechanism.clip, sigma=mechanism.sigma, noise=noise, rule=self.plan.closed_form_rule(self.model),
                 shares=self.plan.clip_shares,
             )
         return nonprivate_gradient(self.model.per_sample_loss, params, self.product, batch)
@@ -227,8 +233,8 @@ class Client:
         """:meth:`_gradient` of K clients sharing this client's model and plan, in one call: every
         input has a leading client dimension. With the model's closed-form per-record gradients
         the operations broadcast over it (:func:`rule_gradient`); otherwise ``vmap`` over clients."""
-        rule = self.model.gradient_rule
-        if self.plan.private and rule is not None:
+        rule = self.plan.closed_form_rule(self.model)
+        if rule is not None:
             mechanism = self.plan.mechanism
             return rule_gradient(rule, params, self.product, batch, clip=mechanism.clip, sigma=mechanism.sigma,
                                  noise=noise, batch_size=self.plan.batch_size, shares=self.plan.clip_shares)
