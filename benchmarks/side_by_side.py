@@ -142,7 +142,7 @@ def rfedray_config(workload: str, n: int, k: int, rounds: int, out: Path, data: 
     return path
 
 
-STARTUP = re.compile(r"start-up: (.+) at ([0-9.]+) s")
+STARTUP = re.compile(r"start-up: (.+?) at ([0-9.]+) s(?:, ([0-9]+) MiB resident)?$", re.M)
 """rfedray's ``--verbose`` start-up lines (:func:`rfedray.progress.log_startup`)."""
 
 
@@ -180,10 +180,13 @@ def run_rfedray(engine: str, workload: str, n: int, k: int, rounds: int, out: Pa
     (run_dir,) = set(runs.iterdir()) - first.before
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rounds_s = [r["round_seconds"] for r in records if "round_seconds" in r]
-    phases = {m.group(1): float(m.group(2)) for m in STARTUP.finditer(result.output)}
+    lines = list(STARTUP.finditer(result.output))
+    phases = {m.group(1): float(m.group(2)) for m in lines}
     phases["first round done"] = first.seconds
+    driver_mib = {m.group(1): int(m.group(3)) for m in lines if m.group(3)}
     return {"engine": f"rfedray-{engine}" + ("-before" if baseline else ""), "startup_s": first.seconds, "round_s": statistics.median(rounds_s[1:]),
             "rounds_s": rounds_s, "peak": result.peak, "wall_s": result.seconds, "phases": phases,
+            "driver_mib": driver_mib,
             "command": " ".join(cmd[1:])}
 
 
@@ -260,6 +263,9 @@ def main() -> None:
                         if r.get("phases"):
                             print("    start-up phases (s since the process started): "
                                   + "; ".join(f"{name} {t:.1f}" for name, t in r["phases"].items()), flush=True)
+                        if r.get("driver_mib"):
+                            print("    the driver's resident memory then (MiB): "
+                                  + "; ".join(f"{name} {m}" for name, m in r["driver_mib"].items()), flush=True)
                         log.write(json.dumps({key: v for key, v in r.items() if key != "peak"}) + "\n")
                         log.flush()
                         rows.append(r)

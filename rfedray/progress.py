@@ -33,12 +33,15 @@ log = logging.getLogger(__name__)
 
 
 def log_startup(phase: str) -> None:
-    """Log, at debug level (``rfedray run --verbose``), that ``phase`` of the start-up is done and when.
+    """Log, at debug level (``rfedray run --verbose``), that ``phase`` of the start-up is done, when,
+    and this process's resident memory then.
 
     The time is the seconds since this process started, so the lines of a run add up to its
-    start-up: ``start-up: Ray started at 6.21 s``.
+    start-up: ``start-up: Ray started at 6.21 s, 331 MiB resident``.
     """
-    log.debug("start-up: %s at %.2f s", phase, time.time() - psutil.Process().create_time())
+    me = psutil.Process()
+    log.debug("start-up: %s at %.2f s, %.0f MiB resident", phase, time.time() - me.create_time(),
+              me.memory_info().rss / 2**20)
 
 
 def _format_number(value: float) -> str:

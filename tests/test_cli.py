@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,19 @@ def test_run_writes_the_contracted_run_directory(tmp_path):
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 4
     # --quiet and a non-terminal stderr: one plain line per round
     assert sum("round" in line for line in out.stderr.splitlines()) >= 4
+
+
+def test_verbose_times_the_start_up_phases(tmp_path):
+    """``--verbose`` logs each start-up phase with the seconds since the process started and its
+    resident memory (what benchmarks/side_by_side.py reads), in order."""
+    out = rfedray("run", "configs/fedpca.yaml", *TINY, f"run.output_dir={tmp_path}", "--engine", "local", "--quiet",
+                  "--verbose")
+    assert out.returncode == 0, out.stderr
+    phases = re.findall(r"start-up: (.+?) at ([0-9.]+) s, ([0-9]+) MiB resident$", out.stderr, flags=re.M)
+    assert [name for name, _, _ in phases] == ["command line read (imports)",
+                                               "federation prepared (data sizes, privacy calibration)"]
+    seconds, mib = [float(t) for _, t, _ in phases], [int(m) for _, _, m in phases]
+    assert 0 < seconds[0] <= seconds[1] < 300 and min(mib) > 100  # torch is imported by then
 
 
 def test_unwritable_output_dir_is_a_clear_error(tmp_path):
