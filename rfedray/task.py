@@ -86,7 +86,8 @@ class FederatedDataset(Protocol):
         """Number of training records of every client (public metadata: used for accounting)."""
 
     def eval_data(self) -> EvalData:
-        """What the server evaluates on."""
+        """What the server evaluates on with ``run.test_set: server``, loaded in the server process
+        (the default, ``clients``, never calls it: each client evaluates its own test split)."""
 
 
 class ClientPartitions(ABC):
@@ -124,7 +125,8 @@ class ClientPartitions(ABC):
         """Load the records of client ``client_id`` (in the process hosting it), deterministically."""
 
     def eval_data(self) -> EvalData:
-        """What the server evaluates the global model on: nothing unless overridden."""
+        """What the server evaluates the global model on with ``run.test_set: server`` (loaded in the
+        server process; the default, ``clients``, does not call it): nothing unless overridden."""
         return EvalData(())
 
     @property
