@@ -43,6 +43,13 @@ class Executor(Protocol):
         """Release the engine's resources."""
 
 
+def _dropout(exc: BaseException, message: str, *args: object) -> ClientFailure:
+    """The failure a client that raised ``exc`` answers: only the exception's type. Its message, which
+    may quote records, goes with the traceback to the log of the process hosting the client."""
+    log.exception(message, *args)
+    return ClientFailure(type(exc).__name__)
+
+
 class LocalExecutor:
     """Every client in this process; a client's data is loaded by :meth:`load` or the first time it is needed.
 
@@ -109,8 +116,7 @@ class LocalExecutor:
             try:
                 key = batch_key(self.client(cid), states.get(cid)) if self.vectorise else cid
             except Exception as exc:  # a failing client is a dropout, never a crashed federation
-                log.exception("client %d failed in round %d", cid, round_index)
-                results[cid] = ClientFailure(type(exc).__name__)
+                results[cid] = _dropout(exc, "client %d failed in round %d", cid, round_index)
                 continue
             groups.setdefault(key, []).append(cid)
         for members in groups.values():
@@ -132,8 +138,7 @@ class LocalExecutor:
         try:
             return self.client(cid).local_train(theta, round_index, state)
         except Exception as exc:  # a failing client is a dropout, never a crashed federation
-            log.exception("client %d failed in round %d", cid, round_index)
-            return ClientFailure(type(exc).__name__)
+            return _dropout(exc, "client %d failed in round %d", cid, round_index)
 
     def evaluate_clients(self, task, theta, round_index, client_ids: Optional[Sequence[int]] = None):
         """``task`` on every client (or those of ``client_ids``), in this process."""
@@ -141,9 +146,8 @@ class LocalExecutor:
         for cid in range(self.cfg.federation.n_clients) if client_ids is None else client_ids:
             try:
                 answers[cid] = task(self.client(cid), theta, round_index)
-            except Exception as exc:  # its message may quote records: the log of the client's host only
-                log.exception("client %d: evaluation failed in round %d", cid, round_index)
-                answers[cid] = ClientFailure(type(exc).__name__)
+            except Exception as exc:
+                answers[cid] = _dropout(exc, "client %d: evaluation failed in round %d", cid, round_index)
         return answers
 
     def share_aggregators(self) -> AggregatorGroup:
