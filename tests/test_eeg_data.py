@@ -249,6 +249,24 @@ def test_physionet_raw_trials_offline(offline, physionet_cache):
     assert set(y.tolist()) == {0, 1}
 
 
+def test_eegnet_and_spdnet_records_are_the_same_trials(offline, physionet_cache):
+    """EEGNet's raw records and SPDNet's covariance records are the same trials with the same labels
+    in the same order, split alike: the OAS covariance of each raw record, divided by its mean
+    eigenvalue, is the covariance record (so a gap between the two models is the models')."""
+    from pyriemann.estimation import Covariances
+
+    common = dict(subjects=[1, 2], test_fraction=0.5, split_seed=0, evaluate_on="validation")
+    raw = physionet(physionet_cache, n_clients=2, representation="raw", **common)
+    cov = physionet(physionet_cache, n_clients=2, representation="covariance", **common)
+    for i in range(2):
+        a, b = raw.client_data(i), cov.client_data(i)
+        for (xr, yr), (xc, yc) in ((a.train, b.train), (a.test, b.test)):
+            assert torch.equal(yr, yc) and xr.shape == (len(yr), 64, 384)
+            c = Covariances("oas").fit_transform(xr.double().numpy())
+            c /= np.trace(c, axis1=1, axis2=2)[:, None, None] / c.shape[1]
+            np.testing.assert_allclose(c, xc.double().numpy(), rtol=0, atol=1e-5 * np.abs(c).max())
+
+
 def test_centralised_spdnet_beats_chance_on_held_out_trials(real_covariances):
     """Non-private SPDNet on the pooled train splits; one-sided binomial test on the test trials."""
     dataset, clients = real_covariances
