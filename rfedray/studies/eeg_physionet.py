@@ -233,7 +233,7 @@ class EEGPhysionet(EEGStudy):
     name = "eeg-physionet"
     description = ("17-subject PhysionetMI federation (17 and 6 clients): SPDNet ProjAvg/RLAvg/RetAvg, EEGNet, PriRFed; "
                    "non-private and epsilon 20/10/5; full and half participation; validation search; pyriemann reference")
-    laptop_minutes = {"tiny": 11, "full": 720}
+    laptop_minutes = {"tiny": 11, "full": 250}  # full: 8.3 CPU hours measured (3.0 search, 5.3 test runs), workers=2
 
     full_arms = (PROJAVG, RLAVG, RETAVG, EEGNET, PRIRFED)
     half_arms = (PROJAVG, EEGNET)
