@@ -79,7 +79,6 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
-from scipy import stats
 from torch import Tensor
 
 from rfedray import aggregation
@@ -434,6 +433,8 @@ class ShiftEstimate:
         contrasts = signed.mean(axis=1)
         variances = signed.var(axis=1, ddof=1) / 2.0
         tail = 1.0 - confidence
+        from scipy import stats  # here: `rfedray run` loads this module with its subcommand, not scipy.stats
+
         t_lower = float(stats.t.ppf(1.0 - LOWER_SHARE * tail, pairs - 1))
         t_upper = float(stats.t.ppf(1.0 - (1.0 - LOWER_SHARE) * tail, pairs - 1))
         delta, delta_lower = contrasts.mean(), contrasts.mean() - t_lower * contrasts.std(ddof=1) / math.sqrt(pairs)
@@ -477,6 +478,8 @@ def clopper_pearson_upper(failures: int, trials: int, tail: float) -> float:
     """Upper end of the one-sided Clopper-Pearson interval of a rate, at level ``1 - tail``."""
     if failures >= trials:
         return 1.0
+    from scipy import stats
+
     return float(stats.beta.ppf(1.0 - tail, failures + 1, trials - failures))
 
 

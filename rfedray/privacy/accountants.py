@@ -36,8 +36,6 @@ from collections import OrderedDict
 from dataclasses import astuple, dataclass
 from typing import Callable, ClassVar, Optional, Union
 
-from scipy import optimize
-
 from rfedray.privacy import checks
 from rfedray.privacy.gdp import gdp_epsilon, gdp_mu
 from rfedray.privacy.pld import DiscretePLD, subsampled_gaussian_pld, subsampled_laplace_pld
@@ -301,6 +299,8 @@ class PriRFedAccountant(Accountant):
         epsilon = checks.positive("epsilon", epsilon)
         delta = checks.open_unit("delta", delta)
         rounds = checks.positive_int("rounds", rounds)
+        from scipy import optimize  # here, not with the module: a client actor imports it, never needs scipy
+
         round_epsilon = optimize.brentq(
             lambda e: PriRFedAccountant.compose_rounds(e, rounds, delta) - epsilon, 0.0, epsilon, xtol=1e-15
         )
@@ -371,6 +371,8 @@ def calibrate_noise(
     else:
         while excess(low) <= 0:
             low, high = low - step, low
+    from scipy import optimize  # here, not with the module: a client actor imports it, never needs scipy
+
     log_noise = optimize.brentq(excess, low, high, xtol=rtol / 4, rtol=rtol / 4)
     while excess(log_noise) > 0:
         log_noise = min(log_noise + rtol / 4, high)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy import fft, special
 
 from rfedray.privacy import checks
 
@@ -154,6 +153,8 @@ class DiscretePLD:
         Cached for the last two sizes.
         """
         if size not in self._spectra:
+            from scipy import fft  # here, not with the module: a client actor imports it, never needs scipy
+
             if len(self._spectra) >= 2:
                 self._spectra.pop(next(iter(self._spectra)))
             spectrum = fft.rfft(self.probs, size)
@@ -198,6 +199,8 @@ class DiscretePLD:
         shift = (count * self.offset - lower) % size
         spectrum = np.zeros(base.size, dtype=np.complex128)
         spectrum[kept] = np.exp(count * np.log(base[kept]) - 2j * np.pi * ((kept * shift) % size) / size)
+        from scipy import fft
+
         composed = fft.irfft(spectrum, size)[:width]
         infinity = -math.expm1(count * math.log1p(-self.infinity_mass)) + tail_mass
         return DiscretePLD(self.discretization, lower, np.clip(composed, 0.0, None), infinity)
@@ -308,6 +311,8 @@ def subsampled_gaussian_pld(
     mu = checks.positive("mu", mu)
     q = checks.sampling_rate("sampling_rate", sampling_rate)
     h = checks.positive("discretization", discretization)
+    from scipy import special
+
     x_max = mu - float(special.ndtri(step_tail_mass))
     top_loss = math.log(q) + mu * x_max - mu * mu / 2.0
     top_loss = top_loss + math.log1p((1.0 - q) * math.exp(-top_loss)) if q < 1.0 else top_loss
