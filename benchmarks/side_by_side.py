@@ -15,7 +15,9 @@ Workloads (the Flower side is :mod:`flower.workloads`, written as a Flower user 
 
 For each workload and n, the engines run one after the other (rfedray's Ray engine, then Flower;
 ``--engines`` adds rfedray's local engine), each as a fresh process tree started from the command
-line, with evaluation off for Flower and at the last round only for rfedray. Per run:
+line, with evaluation off for Flower and at the last round only for rfedray, on the server's test set
+(``run.test_set: server``; the default, each client on its own test split with a secure sum,
+starts two share-aggregator actors). Per run:
 
 * start-up: process start to the end of the first round (Flower: its first ``aggregate_fit``;
   rfedray: its first line of ``metrics.jsonl``), and for rfedray the phases its ``--verbose`` log
@@ -78,6 +80,7 @@ FEDPCA = {
 
 SPDNET_TRIALS, SPDNET_TRAIN, SPDNET_TEST, SPDNET_TIMES = 288, 216, 200, 128
 SPDNET = {
+    "run": {"test_set": "server"},  # as federated PCA: Flower's harness evaluates nothing (see the README)
     "federation": {"local_steps": 5, "batch_size": 64},
     "privacy": {"enabled": True, "sigma": 0.05, "clip": 1.0, "epsilon": 1000.0, "delta": 1e-5, "accountant": "exact"},
     "model": {"name": "spdnet", "options": {"d": 16, "eps_reeig": 8e-5}},
