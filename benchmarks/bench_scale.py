@@ -1,7 +1,7 @@
 """The Ray engine at scale: 10,000 simulated clients on one machine, and rounds across 1 to 4 nodes.
 
-* ``clients``: federated PCA with n = 10,000 clients (1,000 records each, tau = 5, B = 50), k = 100
-  a round, in the one-machine layout of ``rfedray run`` (``bench_engines.measure_engine``: every
+* ``clients``: federated PCA with n = k and then each n of ``--clients`` (default 10,000) clients
+  (1,000 records each, tau = 5, B = 50), k = ``--cohort`` (default 100) a round, in the one-machine layout of ``rfedray run`` (``bench_engines.measure_engine``: every
   client trained once before the timed rounds, so each holds its data). Reports the median round,
   the peak RSS of every process of the run and the memory per client.
 * ``nodes``: a :class:`ray.cluster_utils.Cluster` of a head (no CPU: the driver, accountant) and
@@ -10,7 +10,8 @@
   accountant actor, every client in a client actor). On a machine with fewer cores than nodes the
   nodes share cores, and the round time then grows with the CPU they share, not with the engine.
 
-Run: ``nice -n 10 python benchmarks/bench_scale.py [--sections clients nodes] [--clients 10000] [--rounds 6]``.
+Run: ``nice -n 10 python benchmarks/bench_scale.py [--sections clients nodes] [--clients 1000 10000] [--cohort 100]
+[--rounds 6]`` (``--clients``: the federation sizes, each measured after one of n = k clients).
 """
 
 from __future__ import annotations
@@ -32,15 +33,17 @@ PER_NODE = 10
 """Clients per worker node (one client actor each) in the ``nodes`` section."""
 
 
-def clients_section(n: int, k: int, rounds: int) -> None:
+def clients_section(sizes: list[int], k: int, rounds: int) -> None:
+    """Rounds of k clients from federations of k clients and of each of ``sizes``, one after the other."""
+    results = {}
     with tempfile.TemporaryDirectory() as out:  # each measurement starts a Ray instance of its own
-        small = measure_engine("ray", k, k, rounds, out)
-        large = measure_engine("ray", n, k, rounds, out)
-    per_client = (large["peak_rss_gib"] - small["peak_rss_gib"]) * 1024 / (n - k)
-    print(f"| n = {k}, k = {k} | {small['round_s'] * 1e3:.0f} ms | {small['peak_rss_gib']:.2f} GiB | - |")
-    print(f"| n = {n}, k = {k} | {large['round_s'] * 1e3:.0f} ms | {large['peak_rss_gib']:.2f} GiB | "
-          f"{per_client:.3f} MiB per added client (its records: {1000 * 40 * 4 / MIB:.3f} MiB) |")
-    print(f"round time n = {n} / n = {k}: {large['round_s'] / small['round_s']:.2f}x", flush=True)
+        for n in [k, *sizes]:
+            r = results[n] = measure_engine("ray", n, k, rounds, out)
+            per_client = (r["peak_rss_gib"] - results[k]["peak_rss_gib"]) * 1024 / (n - k) if n > k else None
+            memory = "-" if per_client is None else (f"{per_client:.3f} MiB per added client (its records: "
+                                                    f"{1000 * 40 * 4 / MIB:.3f} MiB)")
+            print(f"| n = {n}, k = {k} | {r['round_s'] * 1e3:.0f} ms | {r['peak_rss_gib']:.2f} GiB | {memory} | "
+                  f"{r['round_s'] / results[k]['round_s']:.2f}x |", flush=True)
 
 
 def nodes_section(max_nodes: int, rounds: int) -> None:
@@ -77,7 +80,7 @@ def forget_address(address: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", nargs="+", choices=["clients", "nodes"], default=["clients", "nodes"])
-    parser.add_argument("--clients", type=int, default=10_000)
+    parser.add_argument("--clients", type=int, nargs="+", default=[10_000], help="federation sizes n, each against n = k")
     parser.add_argument("--cohort", type=int, default=100)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=6)
@@ -86,7 +89,7 @@ def main() -> None:
     print(f"# {os.cpu_count()} CPUs, load average {psutil.getloadavg()[0]:.1f}; federated PCA Gr(40,4), clients of "
           "1,000 records, tau = 5, B = 50; median round of rounds 2..R", flush=True)
     if "clients" in args.sections:
-        print("\n| run | round | peak RSS, all processes | memory |\n|---|---|---|---|", flush=True)
+        print("\n| run | round | peak RSS, all processes | memory | round x n = k |\n|---|---|---|---|---|", flush=True)
         clients_section(args.clients, args.cohort, args.rounds)
     if "nodes" in args.sections:
         print(f"\n| worker nodes | clients (all trained every round) | round | training | x 1 node | dropouts |\n"
