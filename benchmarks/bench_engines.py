@@ -93,6 +93,9 @@ class TimedExecutor:
     def close(self) -> None:
         self.inner.close()
 
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)  # the rest of the executor (evaluation on the clients, aggregators)
+
 
 def measure_engine(engine: str, n: int, k: int, rounds: int, output_dir: str, *overrides: str) -> dict:
     """Run federated PCA on ``engine`` and return its median round and train times and peak memory.
