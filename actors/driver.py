@@ -107,7 +107,7 @@ def run_on_ray(fed: Federation, observers: Sequence[RoundObserver], *, resume: b
         When Ray cannot be reached, the run fails (the server's error), or the server actor dies.
     """
     check_ray_config(fed.cfg)
-    session = RaySession.open(fed.cfg.ray.address, monitored=fed.cfg.monitoring.metrics_port is not None)
+    session = RaySession.open(fed.cfg.ray.address)
     try:
         if session.one_machine:
             fed.observers.extend(observers)

@@ -272,8 +272,7 @@ def ray_executor(fed: Federation, runtime_env: Optional[dict] = None, session: O
         When Ray cannot be reached or the actors cannot start (the message names the setting).
     """
     check_ray_config(fed.cfg)
-    if session is None:
-        session = RaySession.open(fed.cfg.ray.address, monitored=fed.cfg.monitoring.metrics_port is not None)
+    session = session if session is not None else RaySession.open(fed.cfg.ray.address)
     try:
         if runtime_env is None:
             runtime_env = user_code_env(fed.cfg, fed.given.objects() if fed.given is not None else ())

@@ -34,14 +34,14 @@ LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 """Ray settings of an instance the driver starts itself: no idle worker started ahead for the driver
 (the client actors start their own workers; an idle one held ~80 MiB for the whole run)."""
 
-MONITORING_PROCESSES = ("dashboard", "monitor", "log_monitor")
-"""Ray's processes that a local instance the driver starts stops once it is up, unless the run exports
-metrics (``monitoring.metrics_port``): the dashboard head (``include_dashboard=False`` still starts it:
-job submission, the state API, usage statistics and the Prometheus service-discovery file of Ray's
-metrics), the autoscaler monitor (there is no autoscaler on one machine) and the log monitor (it
-forwards the workers' output to a driver, and this one has ``log_to_driver=False``). About 270 MiB
-together (``benchmarks/procmem.py``); ``ray.init`` has no switch for them. The GCS, the raylet and its
-agents, which the run needs, stay."""
+UNUSED_PROCESSES = ("dashboard", "monitor", "log_monitor")
+"""Ray's processes (by Ray's process type) that a local instance the driver starts stops once it is up: the dashboard head
+(``include_dashboard=False`` leaves it running usage statistics only: no metrics module, so no
+Prometheus service-discovery file on a local instance), the autoscaler monitor (there is no
+autoscaler on one machine) and the log monitor (it forwards the workers' output to a driver, and
+this one has ``log_to_driver=False``). About 270 MiB together (``benchmarks/procmem.py``);
+``ray.init`` has no switch for them. The GCS, the raylet and its agents stay (the dashboard agent
+exports the node's Ray metrics on its metrics export port)."""
 
 CONNECT_TIMEOUT_S = 5.0
 REAPER_WAIT_S = 5.0
@@ -61,11 +61,11 @@ def _init_ray(**kwargs) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _stop_monitoring_processes() -> None:
-    """Stop the :data:`MONITORING_PROCESSES` of the Ray instance this process started."""
+def _stop_unused_processes() -> None:
+    """Stop the :data:`UNUSED_PROCESSES` of the Ray instance this process started."""
     node = ray._private.worker._global_node
-    for kill in (node.kill_dashboard, node.kill_monitor, node.kill_log_monitor):
-        kill(check_alive=False)
+    for process_type in UNUSED_PROCESSES:
+        node._kill_process_type(process_type, check_alive=False, wait=True)
 
 
 def _reachable(host: str, port: int) -> Optional[str]:
@@ -90,15 +90,9 @@ class RaySession:
         self.started, self.reaper = started, reaper
 
     @classmethod
-    def open(cls, address: Optional[str], monitored: bool = False) -> "RaySession":
-        """Use the Ray of this process, connect to ``address`` (or ``RAY_ADDRESS``), or start one.
-
-        Parameters
-        ----------
-        address : str, optional
-        monitored : bool
-            Whether the run exports metrics: a Ray instance started here then keeps its
-            :data:`MONITORING_PROCESSES`, which it stops otherwise.
+    def open(cls, address: Optional[str]) -> "RaySession":
+        """Use the Ray of this process, connect to ``address`` (or ``RAY_ADDRESS``), or start one
+        (without its :data:`UNUSED_PROCESSES`).
 
         Raises
         ------
@@ -131,8 +125,7 @@ class RaySession:
                 raise
             finally:
                 auth_log.setLevel(level)
-            if not monitored:
-                _stop_monitoring_processes()
+            _stop_unused_processes()
             log_startup("Ray started")
             return cls(started=True, reaper=reaper)
         if address.startswith("ray://"):

@@ -204,13 +204,13 @@ def test_ray_settings_checked_before_start():
     assert assign_clients(5, load_config(None, ["ray.num_cpus_per_actor=0.5"]).ray, 2) == [[0, 1], [2], [3], [4]]
 
 
-MONITORING_SCRIPTS = {"dashboard/dashboard.py": "dashboard", "autoscaler/_private/monitor.py": "monitor",
-                      "_private/log_monitor.py": "log_monitor"}
-"""Ray's monitoring processes (:data:`actors.session.MONITORING_PROCESSES`) by their script."""
+UNUSED_SCRIPTS = {"dashboard/dashboard.py": "dashboard", "autoscaler/_private/monitor.py": "monitor",
+                  "_private/log_monitor.py": "log_monitor"}
+"""Ray's processes that a local instance of rfedray's stops (:data:`actors.session.UNUSED_PROCESSES`), by script."""
 
 
 def session_actors(sid: int) -> set[str]:
-    """The Ray actors (``ray::Class``) and Ray's monitoring processes among the processes of session ``sid``."""
+    """The Ray actors (``ray::Class``) and the :data:`UNUSED_SCRIPTS` among the processes of session ``sid``."""
     names = set()
     for proc in psutil.process_iter(["cmdline"]):
         try:
@@ -219,7 +219,7 @@ def session_actors(sid: int) -> set[str]:
                 continue
             if cmdline[0].startswith("ray::"):
                 names.add(cmdline[0].split()[0].split(".")[0])
-            names.update(name for script, name in MONITORING_SCRIPTS.items() if any(a.endswith(script) for a in cmdline))
+            names.update(name for script, name in UNUSED_SCRIPTS.items() if any(a.endswith(script) for a in cmdline))
         except (psutil.Error, OSError):
             continue
     return names
@@ -306,40 +306,13 @@ def test_a_run_on_its_own_ray_instance_serves_in_the_driver_and_loads_no_client_
     assert proc.pid not in host.values() and all(a["threads"] == 1 for a in placement["client_actors"])
     assert client_loads(marks) == {c: {pid} for c, pid in host.items()}  # each client where hosted, none in the driver
     assert "ray::ClientActor" in seen and not seen & {"ray::ServerActor", "ray::AccountantActor"}, seen
-    # Ray's dashboard head, autoscaler monitor and log monitor are stopped once Ray is up (no metrics exported).
-    assert not with_actors & set(MONITORING_SCRIPTS.values()), with_actors
+    # Ray's dashboard head, autoscaler monitor and log monitor are stopped once Ray is up.
+    assert not with_actors & set(UNUSED_SCRIPTS.values()), with_actors
     theta = torch.load(run_dir.final_model)
     assert all(torch.equal(local.final_params[k], theta[k]) for k in local.final_params)
     summary = json.loads(run_dir.summary.read_text())
     assert summary["epsilon_spent"] == local.summary["epsilon_spent"] > 0 and summary["engine"] == "ray"
     assert sum(json.loads(run_dir.budget.read_text())["ledger"]["participations"]) == 4 * 3
-
-
-MONITORED_SESSION = """
-import sys
-from actors.session import RaySession
-
-session = RaySession.open(None, monitored=True)
-print("up", flush=True)
-sys.stdin.readline()
-session.close()
-"""
-
-
-def test_a_monitored_run_keeps_rays_monitoring_processes_on_its_own_instance():
-    """With monitoring.metrics_port set, the Ray instance the driver starts keeps its dashboard head
-    (which writes the Prometheus service-discovery file of Ray's metrics), monitor and log monitor;
-    an unmonitored run stops them (the one-machine test above)."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen([sys.executable, "-c", MONITORED_SESSION], cwd=ROOT, env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    try:
-        assert proc.stdout.readline().strip() == "up", proc.stderr.read()
-        names = session_actors(proc.pid)
-    finally:
-        proc.communicate("\n", timeout=120)
-    assert set(MONITORING_SCRIPTS.values()) <= names, names
 
 
 @pytest.mark.parametrize("where", ["config", "environment"])
