@@ -299,9 +299,8 @@ class ClientPool:
 
     def _reserve(self) -> PlacementGroup:
         bundle = actor_bundle(self.cfg)
-        if not bundle:
-            raise ConfigError("ray.placement", self.cfg.ray.placement,
-                              "a placement group needs ray.num_cpus_per_actor > 0 or ray.num_gpus_per_actor > 0")
+        ConfigError.check(bundle, "ray.placement", self.cfg.ray.placement,
+                          "a placement group needs ray.num_cpus_per_actor > 0 or ray.num_gpus_per_actor > 0")
         pg = placement_group([bundle] * len(self.blocks), strategy=self.cfg.ray.placement)
         try:
             self.startup.gather([pg.ready()], f"placement group (ray.placement={self.cfg.ray.placement})",

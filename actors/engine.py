@@ -161,44 +161,60 @@ class ActorCalls:
         return results
 
 
-class RayExecutor:
-    """Runs a cohort's local training on the client actors (implements the core's Executor).
+class ActorEngine:
+    """What both Ray engines share: this process's Ray session, and a pool of client actors whose
+    calls :class:`ActorCalls` runs within the round deadline.
 
     Parameters
     ----------
     session : RaySession
-        On :attr:`~actors.session.RaySession.one_machine`, the ledger stays in this process (see
-        the module docstring).
     timeout_s : float
-        The round deadline, ``ray.round_timeout_s``.
-    runtime_env : dict, optional
-        Of the client actors (:func:`~actors.session.user_code_env`).
+        The round deadline.
     """
 
-    def __init__(self, session: RaySession, timeout_s: float, runtime_env: Optional[dict] = None):
-        self.session, self.timeout_s, self.runtime_env = session, timeout_s, runtime_env
+    def __init__(self, session: RaySession, timeout_s: float):
+        self.session, self.timeout_s = session, timeout_s
         self.pool: Optional[ClientPool] = None
         self.calls: Optional[ActorCalls] = None
+
+    def start_pool(self, cfg: Config, n_clients: int, actor_class, actor_args: dict,
+                   runtime_env: Optional[dict] = None) -> None:
+        """Client actors of ``actor_class`` for ``n_clients`` clients in sticky blocks
+        (:func:`~actors.client_actor.assign_clients`), refused at once when the cluster could never
+        host them (:meth:`~actors.cluster.ClusterShape.check`)."""
+        shape = ClusterShape.discover()
+        blocks = assign_clients(n_clients, cfg.ray, ray.cluster_resources().get("CPU", 0.0))
+        shape.check(cfg, len(blocks))
+        self.pool = ClientPool(cfg, blocks, shape, actor_class, actor_args, runtime_env)
+        self.calls = ActorCalls(self.pool, self.timeout_s)
+
+    def close(self) -> None:
+        """Stop the actors; shut Ray down if this engine started it."""
+        if self.pool is not None:
+            self.pool.close()
+        self.session.close()
+
+
+class RayExecutor(ActorEngine):
+    """Runs a cohort's local training on the client actors (implements the core's Executor).
+
+    On :attr:`~actors.session.RaySession.one_machine` the ledger stays in this process (see the
+    module docstring).
+    """
+
+    def __init__(self, session: RaySession, timeout_s: float):
+        super().__init__(session, timeout_s)
         self.accountant = None
         self.aggregators: Optional[RayAggregators] = None
 
-    def start(self, fed: Federation) -> list[dict]:
-        """Start the client actors and, for a private run off one machine, the accountant; wait until they are up.
-
-        Returns
-        -------
-        list of dict
-            Every client actor's :meth:`~actors.client_actor.ClientActor.describe`.
-        """
+    def start(self, fed: Federation, runtime_env: Optional[dict]) -> None:
+        """Start the client actors (``runtime_env``: :func:`~actors.session.user_code_env`) and, for a
+        private run off one machine, the accountant; wait until they are up."""
         cfg = fed.cfg
-        shape = ClusterShape.discover()
-        blocks = assign_clients(cfg.federation.n_clients, cfg.ray, ray.cluster_resources().get("CPU", 0.0))
-        shape.check(cfg, len(blocks))
         threads = choose_threads(cfg.federation.batch_size, fed.dataset.info.get("record_shape", ()),
                                  max(1, int(cfg.ray.num_cpus_per_actor)), cfg.run.threads)
         args = {"cfg": cfg, "plan": local_plan(cfg, fed.privacy), "threads": threads, "given": fed.given}
-        self.pool = ClientPool(cfg, blocks, shape, RemoteClientActor, args, self.runtime_env)
-        self.calls = ActorCalls(self.pool, self.timeout_s)
+        self.start_pool(cfg, cfg.federation.n_clients, RemoteClientActor, args, runtime_env)
         if fed.privacy.private and not self.session.one_machine:  # else the loop's own WriteAheadLedger, here
             fingerprint = accounting_fingerprint(cfg, fed.privacy, fed.sizes)
             self.accountant = start_accountant(fed.make_ledger(), fingerprint, fed.run_dir)
@@ -208,9 +224,8 @@ class RayExecutor:
                 raise RfedrayError(f"the privacy accountant actor did not start ({type(exc).__name__}): "
                                    f"{str(exc).strip().splitlines()[-1]}") from None
             fed.ledger_factory = lambda: RemoteLedger(self.accountant)
-        described = self.pool.wait_ready()
+        self.pool.wait_ready()
         log_startup("client actors up")
-        return described
 
     def describe(self) -> list[dict]:
         """Every client actor's :meth:`~actors.client_actor.ClientActor.describe` (waits for it)."""
@@ -248,11 +263,9 @@ class RayExecutor:
         """Stop the actors; shut Ray down if this run started it."""
         if self.aggregators is not None:
             self.aggregators.close()
-        if self.pool is not None:
-            self.pool.close()
         if self.accountant is not None:
             ray.kill(self.accountant, no_restart=True)
-        self.session.close()
+        super().close()
 
 
 def ray_executor(fed: Federation, runtime_env: Optional[dict] = None, session: Optional[RaySession] = None) -> RayExecutor:
@@ -272,40 +285,23 @@ def ray_executor(fed: Federation, runtime_env: Optional[dict] = None, session: O
         When Ray cannot be reached or the actors cannot start (the message names the setting).
     """
     check_ray_config(fed.cfg)
-    session = session if session is not None else RaySession.open(fed.cfg.ray.address)
+    executor = RayExecutor(session or RaySession.open(fed.cfg.ray.address), fed.cfg.ray.round_timeout_s)
     try:
         if runtime_env is None:
             runtime_env = user_code_env(fed.cfg, fed.given.objects() if fed.given is not None else ())
-    except BaseException:
-        session.close()
-        raise
-    executor = RayExecutor(session, fed.cfg.ray.round_timeout_s, runtime_env)
-    try:
-        executor.start(fed)
+        executor.start(fed, runtime_env)
     except BaseException:
         executor.close()
         raise
     return executor
 
 
-class RayTaskEngine:
+class RayTaskEngine(ActorEngine):
     """Runs client tasks on task-host actors (implements :class:`rfedray.federated.engine.Engine`).
 
     Answers every client of the cohort in cohort order, as the local engine does, so that a loop
     combining the answers in that order computes the same bits on both engines.
-
-    Parameters
-    ----------
-    session : RaySession
-    pool : ClientPool
-        Of :class:`~actors.client_actor.TaskHostActor` s.
-    timeout_s : float
-        The round deadline.
     """
-
-    def __init__(self, session: RaySession, pool: ClientPool, timeout_s: float):
-        self.session, self.pool = session, pool
-        self.calls = ActorCalls(pool, timeout_s)
 
     def run(self, cohort: Sequence[int], task: ClientTask, theta: Params, round_index: int) -> dict[int, Any]:
         """``task`` on every client of ``cohort``, on the actors hosting them, within the round deadline."""
@@ -316,11 +312,6 @@ class RayTaskEngine:
 
         answers = self.calls.run(cohort, run, round_index)
         return {cid: answers[cid] for cid in cohort}
-
-    def close(self) -> None:
-        """Stop the actors; shut Ray down if this engine started it."""
-        self.pool.close()
-        self.session.close()
 
 
 def ray_task_engine(spec: TaskSpec, n_clients: int, num_hosts: int, address: Optional[str] = None,
@@ -333,20 +324,12 @@ def ray_task_engine(spec: TaskSpec, n_clients: int, num_hosts: int, address: Opt
     RfedrayError
         When Ray cannot be reached or the actors cannot start.
     """
-    session = RaySession.open(address)
+    engine = RayTaskEngine(RaySession.open(address), timeout_s)
     try:
         hosts = Config(ray=RayConfig(num_client_actors=min(num_hosts, n_clients), num_cpus_per_actor=1.0,
                                      device="cpu", round_timeout_s=timeout_s))
-        shape = ClusterShape.discover()
-        blocks = assign_clients(n_clients, hosts.ray, ray.cluster_resources().get("CPU", 0.0))
-        shape.check(hosts, len(blocks))
-        pool = ClientPool(hosts, blocks, shape, RemoteTaskHostActor, {"spec": spec, "threads": 1})
-    except BaseException:
-        session.close()
-        raise
-    engine = RayTaskEngine(session, pool, timeout_s)
-    try:
-        pool.wait_ready()
+        engine.start_pool(hosts, n_clients, RemoteTaskHostActor, {"spec": spec, "threads": 1})
+        engine.pool.wait_ready()
     except BaseException:
         engine.close()
         raise

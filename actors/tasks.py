@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import ray
 
 
-class StudySession:
-    """A Ray connection opened for a study (``rfedray experiment ... ray=local|ADDRESS``), closed after it."""
-
-    def __init__(self, address: str):
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
-
-    def close(self) -> None:
+@contextlib.contextmanager
+def connected(address: str) -> Iterator[None]:
+    """Connected to (``ADDRESS``) or started (``local``) the Ray instance a study's tasks run on,
+    for a block (``rfedray experiment ... ray=local|ADDRESS``); shut down after it."""
+    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
         ray.shutdown()
-
-
-def connect(address: str) -> StudySession:
-    """Connect to (``ADDRESS``) or start (``local``) the Ray instance a study's tasks run on."""
-    return StudySession(address)
 
 
 def run_as_tasks(fn: Callable[[Any], dict], args: Sequence[Any], finished: Callable[[dict], None]) -> list[dict]:

@@ -406,15 +406,11 @@ def validate(cfg: Config) -> None:
     ConfigError.check(r.output_dir, "run.output_dir", r.output_dir, "must be a non-empty path")
 
     positive_int("federation.n_clients", fed.n_clients)
-    if fed.n_clients > MAX_CLIENTS:
-        raise ConfigError("federation.n_clients", fed.n_clients,
-                          f"must be at most {MAX_CLIENTS} (every round rewrites each client's budget in budget.json)")
+    ConfigError.check(fed.n_clients <= MAX_CLIENTS, "federation.n_clients", fed.n_clients,
+                      f"must be at most {MAX_CLIENTS} (every round rewrites each client's budget in budget.json)")
     positive_int("federation.clients_per_round", fed.clients_per_round)
-    if fed.clients_per_round > fed.n_clients:
-        raise ConfigError(
-            "federation.clients_per_round", fed.clients_per_round,
-            f"must be between 1 and federation.n_clients ({fed.n_clients})",
-        )
+    ConfigError.check(fed.clients_per_round <= fed.n_clients, "federation.clients_per_round", fed.clients_per_round,
+                      f"must be between 1 and federation.n_clients ({fed.n_clients})")
     positive_int("federation.local_steps", fed.local_steps)
     positive_int("federation.batch_size", fed.batch_size)
 

@@ -274,9 +274,8 @@ def build(options: Options, info: dict, retraction: StiefelRetraction | type[Sti
     paper_d, paper_eps = PAPER_SETTINGS.get(info.get("dataset", ""), DEFAULT_SETTINGS)
     filters = None
     if options.init_filters is not None:
-        if not info.get("channel_names"):
-            raise OptionsError("model.options.init_filters", options.init_filters,
-                               "needs the channels named by the data (set data.options.channels)")
+        OptionsError.check(info.get("channel_names"), "model.options.init_filters", options.init_filters,
+                           "needs the channels named by the data (set data.options.channels)")
         filters = filter_matrix(options.init_filters, info["channel_names"])
     d = filters.shape[1] if filters is not None else options.d if options.d is not None else paper_d
     if d > info["channels"]:

@@ -116,10 +116,14 @@ def _finished_summary(path: Path) -> Optional[dict]:
 
 
 def _run_one(job: tuple[list[str], str]) -> dict:
+    """One job, on one torch thread (the same bits whatever the process, pool or Ray task that runs it)."""
+    import torch
+
     from rfedray.config import load_config
     from rfedray.federated.loop import run_federation
     from rfedray.federated.rundir import RunDirectory
 
+    torch.set_num_threads(1)
     overrides, output_dir = job
     path = Path(output_dir) / job_directory_name(overrides)
     summary = _finished_summary(path)
@@ -140,8 +144,8 @@ class _Progress:
     """Progress of a study's jobs: a ``tqdm`` bar on a terminal, else one stderr line per finished job
     (count, reused jobs, elapsed time, estimate of the rest from the mean time of the jobs run)."""
 
-    def __init__(self, total: int, workers: int):
-        self.total, self.workers, self.done, self.reused = total, workers, 0, 0
+    def __init__(self, total: int):
+        self.total, self.done, self.reused = total, 0, 0
         self.started = time.perf_counter()
         self.bar = bar(None, total=total, desc="study", unit="run")
 
@@ -174,14 +178,16 @@ def run_many(jobs: Sequence[list[str]], output_dir: Path, workers: Optional[int]
     workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
     output_dir.mkdir(parents=True, exist_ok=True)
     args = [(list(job), str(output_dir)) for job in jobs]
-    progress = _Progress(len(args), workers)
-    if _ray_is_running():
-        return _run_on_ray(args, progress)
+    progress = _Progress(len(args))
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():  # ``rfedray experiment ... ray=local|ADDRESS``
+        from actors.tasks import run_as_tasks
+
+        return run_as_tasks(_run_one, args, progress.finished)
     if workers == 1:
         import torch
 
         threads = torch.get_num_threads()
-        _single_thread()  # as in the pool's processes: the same bits whatever ``workers``
         try:
             results = []
             for a in args:
@@ -190,42 +196,17 @@ def run_many(jobs: Sequence[list[str]], output_dir: Path, workers: Optional[int]
             return results
         finally:
             torch.set_num_threads(threads)
-    with ProcessPoolExecutor(max_workers=workers, initializer=_single_thread) as pool:
+    with ProcessPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(_run_one, a) for a in args]
         for future in as_completed(futures):
             progress.finished(future.result())
         return [f.result() for f in futures]
 
 
-def _ray_is_running() -> bool:
-    """Whether this process is connected to Ray (``rfedray experiment ... ray=local|ADDRESS``)."""
-    ray = sys.modules.get("ray")
-    return ray is not None and ray.is_initialized()
-
-
-def _run_on_ray(args: list, progress: _Progress) -> list[dict]:
-    """One Ray task (one CPU, one torch thread) per job, across the cluster (:mod:`actors.tasks`); the
-    output directory must be shared by the nodes that run them (a local instance, or a shared file system)."""
-    from actors.tasks import run_as_tasks
-
-    return run_as_tasks(_run_single_threaded, args, progress.finished)
-
-
-def _run_single_threaded(a) -> dict:
-    _single_thread()
-    return _run_one(a)
-
-
 def run_grid(jobs: dict, output_dir: Path, workers: Optional[int] = None) -> dict:
     """:func:`run_many` over a mapping ``key -> overrides``; returns ``key -> summary``."""
     keys = list(jobs)
     return dict(zip(keys, run_many([jobs[k] for k in keys], output_dir, workers)))
-
-
-def _single_thread() -> None:
-    import torch
-
-    torch.set_num_threads(1)
 
 
 def write_outputs(out_dir: Path, title: str, tables: Sequence[Table], figures: Sequence[str] = (), preface: str = "") -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
 
@@ -57,16 +58,12 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             raise RfedrayError(f"{options['overrides'][0]}: study {args.name!r} takes no config overrides "
                                "(the federated-PCA studies do)")
         extra["overrides"] = options["overrides"]
-    session = None
-    if options["ray"]:
-        from actors.tasks import connect
+    with contextlib.ExitStack() as stack:
+        if options["ray"]:
+            from actors.tasks import connected
 
-        session = connect(options["ray"])
-    try:
+            stack.enter_context(connected(options["ray"]))
         report = study.run(out, options["scale"], workers=workers, **extra)
-    finally:
-        if session is not None:
-            session.close()
     print(report)
     return 0
 
