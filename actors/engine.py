@@ -314,17 +314,17 @@ class RayTaskEngine(ActorEngine):
         return {cid: answers[cid] for cid in cohort}
 
 
-def ray_task_engine(spec: TaskSpec, n_clients: int, num_hosts: int, address: Optional[str] = None,
+def ray_task_engine(spec: TaskSpec, n_clients: int, num_hosts: int,
                     timeout_s: float = RayConfig.round_timeout_s) -> RayTaskEngine:
     """A Ray engine of ``num_hosts`` task-host actors (one CPU and one torch thread each) over
-    ``n_clients`` clients built from ``spec``; Ray connected (``address``, ``RAY_ADDRESS``) or started.
+    ``n_clients`` clients built from ``spec``; Ray connected (``RAY_ADDRESS``) or started.
 
     Raises
     ------
     RfedrayError
         When Ray cannot be reached or the actors cannot start.
     """
-    engine = RayTaskEngine(RaySession.open(address), timeout_s)
+    engine = RayTaskEngine(RaySession.open(None), timeout_s)
     try:
         hosts = Config(ray=RayConfig(num_client_actors=min(num_hosts, n_clients), num_cpus_per_actor=1.0,
                                      device="cpu", round_timeout_s=timeout_s))

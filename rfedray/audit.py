@@ -170,8 +170,7 @@ class AuditPlan:
             raise ConfigError("--seed", self.seed, "must be an integer in [0, 2^128)")
 
     def _sequence(self, trial: int, purpose: int) -> np.random.SeedSequence:
-        entropy = self.seed if self.seed is not None else None
-        return np.random.SeedSequence(entropy, spawn_key=(purpose, trial))
+        return np.random.SeedSequence(self.seed, spawn_key=(purpose, trial))
 
     def noise_seed(self, trial: int) -> Optional[int]:
         """The noise seed of trial ``trial`` (None: OS entropy)."""

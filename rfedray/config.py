@@ -326,10 +326,7 @@ def load_config(path: Optional[str | os.PathLike | Mapping[str, Any]] = None,
 
 def load_config_text(raw: bytes, where: str, overrides: Optional[list[str]] = None) -> Config:
     """:func:`load_config` of a config file's bytes read elsewhere (a run directory in object storage)."""
-    data = _parse_yaml(raw, where)
-    if overrides:
-        data = _deep_merge(data, _dotlist_to_dict(overrides))
-    return config_from_dict(data)
+    return config_from_dict(read_layers(_parse_yaml(raw, where), overrides))
 
 
 def config_from_dict(data: dict) -> Config:
