@@ -192,10 +192,6 @@ class ClusterShape:
             f"(ray.placement={cfg.ray.placement}; {self.describe()}); lower it or ray.num_client_actors",
         )
 
-    def nodes_up(self, bundle: Bundle) -> int:
-        """Live nodes that can hold at least one ``bundle``."""
-        return sum(1 for n in self.live if bundle and bundles_on(n, bundle) > 0)
-
 
 def _combine(counts: Sequence[int], placement: str) -> int:
     """Bundles a set of nodes holds under a placement strategy, from each node's count."""
@@ -341,7 +337,7 @@ class ClusterWait:
                     f"{len(shape.live)} node(s) up{starting} {waited}")
         kind = "GPU" if "GPU" in self.bundle else "CPU"
         return (f"waiting for {missing} of {self.count} client actors' {kind} bundles {describe_bundle(self.bundle)}: "
-                f"{shape.nodes_up(self.bundle)} node(s) for them up{starting} {waited}")
+                f"{sum(bundles_on(n, self.bundle) > 0 for n in shape.live)} node(s) for them up{starting} {waited}")
 
     def gather(self, refs: Sequence[ray.ObjectRef], what: str, bundles_per_ref: int = 1) -> list:
         """The values of ``refs``, waiting for them until the deadline and logging progress meanwhile.
@@ -369,8 +365,12 @@ class ClusterWait:
         next_note = time.monotonic() + PROGRESS_INTERVAL_S
         while pending:
             if self.remaining() <= 0:
-                missing = len(pending) * bundles_per_ref
-                raise self.timeout_error(missing, f"{len(pending)} of {len(refs)} {what} not ready")
+                raise RfedrayError(
+                    f"ray.actor_start_timeout_s={self.timeout_s:g}: {len(pending)} of {len(refs)} {what} not ready; "
+                    f"{self.progress(len(pending) * bundles_per_ref)}. The cluster: "
+                    f"{ClusterShape.discover().describe()}. Raise ray.actor_start_timeout_s for slow node boots, "
+                    "or see `ray status`"
+                )
             step = max(0.0, min(self.remaining(), next_note - time.monotonic()))
             ready, pending = ray.wait(pending, num_returns=1, timeout=step)
             for ref in ready:
@@ -379,14 +379,6 @@ class ClusterWait:
                 log.warning("%s", self.progress(len(pending) * bundles_per_ref))
                 next_note = time.monotonic() + PROGRESS_INTERVAL_S
         return [values[i] for i in range(len(refs))]
-
-    def timeout_error(self, missing: int, what: str) -> RfedrayError:
-        """The error of a wait that ran out: the setting, what was missing and what the cluster has."""
-        return RfedrayError(
-            f"ray.actor_start_timeout_s={self.timeout_s:g}: {what}; {self.progress(missing)}. The cluster: "
-            f"{ClusterShape.discover().describe()}. Raise ray.actor_start_timeout_s for slow node boots, "
-            "or see `ray status`"
-        )
 
     def done(self) -> None:
         """Withdraw the request for resources (idempotent)."""

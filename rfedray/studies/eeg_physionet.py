@@ -47,7 +47,7 @@ import numpy as np
 from rfedray.studies.base import Row, Table, mean_std, pyplot, run_grid, save_figure, write_outputs
 from rfedray.studies.eeg import (
     EEGNET, PRIRFED, PROJAVG, RETAVG, RLAVG, Arm, EEGStudy, MeanStd, PaperValue, PRIVACY_COLUMNS, TABLE6, TABLE7,
-    TABLE8, flatten, smoothed,
+    TABLE8, accuracies, flatten, smoothed,
 )
 
 SUBJECTS = tuple(range(1, 18))
@@ -362,10 +362,6 @@ class EEGPhysionet(EEGStudy):
         found["test trials"] = int(yt.shape[0])
         found["training trials"] = int(y.shape[0])
         return found
-
-
-def accuracies(runs: Sequence[dict]) -> list[float]:
-    return [100.0 * r["final_metrics"]["accuracy"] for r in runs]
 
 
 def one_sided_t(values: Sequence[float], baseline: float | Sequence[float]) -> float:
