@@ -218,6 +218,23 @@ def smoothed(values: np.ndarray, window: int = 5) -> np.ndarray:
     return (sums - lagged) / counts
 
 
+def curves_panel(ax, curves: dict[int, list[np.ndarray]], chance_level: float, title: str) -> None:
+    """Figure 7's panel: test accuracy (%) against round for each horizon ``T``, the mean over seeds
+    (``curves[T]``, one array per seed) smoothed over 5 rounds with +-1 std, and the chance line."""
+    for rounds, runs in curves.items():
+        values = smoothed(np.stack(runs))
+        mean = values.mean(axis=0)
+        std = values.std(axis=0, ddof=1) if len(runs) > 1 else 0 * mean
+        xs = np.arange(1, mean.shape[0] + 1)
+        ax.plot(xs, mean, label=f"T = {rounds}", lw=1.5)
+        ax.fill_between(xs, mean - std, mean + std, alpha=0.2)
+    ax.axhline(chance_level, color="0.4", ls="--", label="chance")
+    ax.set_xlabel("communication round")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+
+
 def ranking(means: dict[str, float]) -> str:
     """``A (x) > B (y) > ...``: arms by decreasing mean accuracy."""
     return " > ".join(f"{arm} ({value:.1f})" for arm, value in sorted(means.items(), key=lambda kv: -kv[1]))
@@ -524,16 +541,6 @@ class EEGCurves(EEGStudy):
     def figure(self, path: Path, curves: dict[tuple[str, int], list[np.ndarray]]) -> str:
         fig, axes = pyplot().subplots(1, len(self.arms), figsize=(4.6 * len(self.arms), 3.5), sharey=True)
         for ax, arm in zip(axes, self.arms):
-            for (label, rounds), runs in curves.items():
-                if label == arm.label:
-                    values = smoothed(np.stack(runs))
-                    mean, std = values.mean(axis=0), values.std(axis=0, ddof=1)
-                    xs = np.arange(1, mean.shape[0] + 1)
-                    ax.plot(xs, mean, label=f"T = {rounds}", lw=1.5)
-                    ax.fill_between(xs, mean - std, mean + std, alpha=0.2)
-            ax.axhline(chance(self.dataset), color="0.4", ls="--", label="chance")
-            ax.set_xlabel("communication round")
-            ax.set_ylabel("test accuracy (%)")
-            ax.set_title(f"Figure 7: {arm.label}, ε = 5, {self.dataset}", fontsize=10)
-            ax.legend(fontsize=8)
+            curves_panel(ax, {rounds: runs for (label, rounds), runs in curves.items() if label == arm.label},
+                         chance(self.dataset), f"Figure 7: {arm.label}, ε = 5, {self.dataset}")
         return save_figure(fig, path)

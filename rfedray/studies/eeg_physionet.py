@@ -47,7 +47,7 @@ import numpy as np
 from rfedray.studies.base import Row, Table, mean_std, pyplot, run_grid, save_figure, write_outputs
 from rfedray.studies.eeg import (
     EEGNET, PRIRFED, PROJAVG, RETAVG, RLAVG, Arm, EEGStudy, MeanStd, PaperValue, PRIVACY_COLUMNS, TABLE6, TABLE7,
-    TABLE8, accuracies, flatten, smoothed,
+    TABLE8, accuracies, curves_panel, flatten,
 )
 
 SUBJECTS = tuple(range(1, 18))
@@ -592,21 +592,13 @@ class Report:
         fig, axes = pyplot().subplots(1, len(EEGPhysionet.curve_arms), figsize=(4.6 * len(EEGPhysionet.curve_arms), 3.5), sharey=True)
         for ax, arm in zip(axes, EEGPhysionet.curve_arms):
             horizon = self.study.horizon(self.chosen, n, arm, "ε=5", self.scale)
+            curves = {}
             for rounds in (max(1, horizon // 2), horizon, 2 * horizon):
-                curves = []
+                curves[rounds] = []
                 for seed in range(self.scale.seeds):
                     records = RunDirectory(self.runs[(n, n, arm.label, "ε=5", rounds, seed)]["run_dir"]).read_metrics()
-                    curves.append(100.0 * np.array([r["metric_accuracy"] for r in records if "metric_accuracy" in r]))
-                values = smoothed(np.stack(curves))
-                mean, std = values.mean(axis=0), values.std(axis=0, ddof=1) if len(curves) > 1 else 0 * values[0]
-                xs = np.arange(1, mean.shape[0] + 1)
-                ax.plot(xs, mean, label=f"T = {rounds}")
-                ax.fill_between(xs, mean - std, mean + std, alpha=0.2)
-            ax.axhline(50.0, color="0.4", ls="--", label="chance")
-            ax.set_xlabel("communication round")
-            ax.set_ylabel("test accuracy (%)")
-            ax.set_title(f"Figure 7: {arm.label}, ε = 5, {n} clients", fontsize=9)
-            ax.legend(fontsize=7)
+                    curves[rounds].append(100.0 * np.array([r["metric_accuracy"] for r in records if "metric_accuracy" in r]))
+            curves_panel(ax, curves, 50.0, f"Figure 7: {arm.label}, ε = 5, {n} clients")
         return save_figure(fig, path)
 
     # -- output -------------------------------------------------------------------------------
