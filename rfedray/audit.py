@@ -337,8 +337,7 @@ def canary_geometry(model: FedPCA, covariance: Tensor, norm: float, count: Optio
     pairs = [(j, l) for l in range(d - p) for j in range(d - p, d)]
     available = min(len(pairs), 16) // 2 * 2
     count = available if count is None else count
-    if count > available:
-        raise ConfigError("--canaries", count, f"this model offers {available} orthogonal canary directions")
+    ConfigError.check(count <= available, "--canaries", count, f"this model offers {available} orthogonal canary directions")
     directions = []
     for j, l in pairs[:count]:
         record = (vectors[:, j] + vectors[:, l]) / math.sqrt(2.0)

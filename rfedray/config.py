@@ -465,8 +465,7 @@ def validate(cfg: Config) -> None:
     choice("ray.placement", ray.placement, PLACEMENTS)
     positive("ray.round_timeout_s", ray.round_timeout_s)
     positive("ray.actor_start_timeout_s", ray.actor_start_timeout_s)
-    if ray.max_restarts < -1:
-        raise ConfigError("ray.max_restarts", ray.max_restarts, "must be >= -1 (-1 restarts forever)")
+    ConfigError.check(ray.max_restarts >= -1, "ray.max_restarts", ray.max_restarts, "must be >= -1 (-1 restarts forever)")
     choice("ray.device", ray.device, DEVICES)
 
     mon = cfg.monitoring

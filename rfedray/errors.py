@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 
 class RfedrayError(Exception):
@@ -40,6 +40,11 @@ class ConfigError(RfedrayError, ValueError):
         ``OptionsError.check(d >= 2, "data.options.d", d, "must be an integer >= 2")``."""
         if not ok:
             raise cls(field, value, allowed)
+
+    @classmethod
+    def one_of(cls, field: str, value: Any, allowed: Iterable[str]) -> None:
+        """Raise ``cls(field, value, "must be one of A, B, ...")`` unless ``value`` is in ``allowed``."""
+        cls.check(value in allowed, field, value, "must be one of " + ", ".join(allowed))
 
 
 class RunFailure(RfedrayError):

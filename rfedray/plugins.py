@@ -103,8 +103,7 @@ def load(field: str, path: str) -> Any:
         if not hasattr(target, part):
             raise ConfigError(field, path, f"{getattr(target, '__name__', module_name)!r} has no attribute {part!r}")
         target = getattr(target, part)
-    if not callable(target):
-        raise ConfigError(field, path, f"names a {type(target).__name__}; it must name a class or a function")
+    ConfigError.check(callable(target), field, path, f"names a {type(target).__name__}; it must name a class or a function")
     return target
 
 

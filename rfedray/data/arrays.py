@@ -223,14 +223,14 @@ class Options:
         OptionsError.check(self.path, f"{prefix}.path", self.path, "give the .npz file of the clients' arrays")
         if not Path(self.path).expanduser().is_file():
             raise OptionsError(f"{prefix}.path", self.path, "no such file; give the .npz file of the clients' arrays")
-        OptionsError.check(self.task in TASKS, f"{prefix}.task", self.task, "must be one of " + ", ".join(TASKS))
+        OptionsError.one_of(f"{prefix}.task", self.task, TASKS)
         if self.representation not in TASKS[self.task].representations:
             raise OptionsError(f"{prefix}.representation", self.representation,
                               f"task {self.task} takes " + ", ".join(TASKS[self.task].representations))
         if self.num_classes is not None and self.num_classes < 2:
             raise OptionsError(f"{prefix}.num_classes", self.num_classes, "must be null (from the labels) or an integer >= 2")
         OptionsError.check(self.p >= 1, f"{prefix}.p", self.p, "must be an integer >= 1")
-        OptionsError.check(self.dtype in DTYPES, f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
+        OptionsError.one_of(f"{prefix}.dtype", self.dtype, DTYPES)
 
 
 class FileArrays:

@@ -582,17 +582,14 @@ class Options:
     dtype: str = "float32"
 
     def validate(self, prefix: str) -> None:
-        if self.dataset not in DATASETS:
-            raise OptionsError(f"{prefix}.dataset", self.dataset, "must be one of " + ", ".join(DATASETS))
-        if self.representation not in REPRESENTATIONS:
-            raise OptionsError(f"{prefix}.representation", self.representation, "must be one of " + ", ".join(REPRESENTATIONS))
+        OptionsError.one_of(f"{prefix}.dataset", self.dataset, DATASETS)
+        OptionsError.one_of(f"{prefix}.representation", self.representation, REPRESENTATIONS)
         spec = DATASETS[self.dataset]
         if self.subjects is not None and (not self.subjects or len(set(self.subjects)) != len(self.subjects)):
             raise OptionsError(f"{prefix}.subjects", self.subjects, "must be null or a non-empty list of distinct subject numbers")
         if self.subjects is not None and not set(self.subjects) <= set(spec.available):
             raise OptionsError(f"{prefix}.subjects", self.subjects, f"{self.dataset} has subjects {spec.available[0]}..{spec.available[-1]}")
-        if not 0.0 < self.resample:
-            raise OptionsError(f"{prefix}.resample", self.resample, "must be a sampling rate in Hz > 0")
+        OptionsError.check(0.0 < self.resample, f"{prefix}.resample", self.resample, "must be a sampling rate in Hz > 0")
         if not 0.0 <= self.fmin < self.fmax:
             raise OptionsError(f"{prefix}.fmin", self.fmin, f"must be in [0, fmax) (fmax = {self.fmax} Hz)")
         if not self.fmax < self.resample / 2:
@@ -600,20 +597,18 @@ class Options:
         if self.n_times is not None and not 1 <= self.n_times <= spec.n_times(self.resample):
             longest = spec.n_times(self.resample)
             raise OptionsError(f"{prefix}.n_times", self.n_times, f"must be null or in [1, {longest}] (the epoch length)")
-        if self.estimator not in ESTIMATORS:
-            raise OptionsError(f"{prefix}.estimator", self.estimator, "must be one of " + ", ".join(ESTIMATORS))
+        OptionsError.one_of(f"{prefix}.estimator", self.estimator, ESTIMATORS)
         if self.channels is not None and (not self.channels or len(set(self.channels)) != len(self.channels)
                                           or not all(isinstance(c, str) and c for c in self.channels)):
             raise OptionsError(f"{prefix}.channels", self.channels, "must be null (every channel) or a non-empty list of distinct channel names")
         if not 0.0 < self.test_fraction < 1.0:
             raise OptionsError(f"{prefix}.test_fraction", self.test_fraction, "must be in the open interval (0, 1)")
-        if self.evaluate_on not in HOLDOUTS:
-            raise OptionsError(f"{prefix}.evaluate_on", self.evaluate_on, "must be one of " + ", ".join(HOLDOUTS))
+        OptionsError.one_of(f"{prefix}.evaluate_on", self.evaluate_on, HOLDOUTS)
         if not 0.0 < self.validation_fraction < 1.0:
             raise OptionsError(f"{prefix}.validation_fraction", self.validation_fraction, "must be in the open interval (0, 1)")
         if self.split_seed is not None and self.split_seed < 0:
             raise OptionsError(f"{prefix}.split_seed", self.split_seed, "must be null (run.seed) or an integer >= 0")
-        OptionsError.check(self.dtype in DTYPES, f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
+        OptionsError.one_of(f"{prefix}.dtype", self.dtype, DTYPES)
 
 
 def _versions() -> dict[str, str]:

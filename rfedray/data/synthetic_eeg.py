@@ -69,13 +69,11 @@ class Options:
         OptionsError.check(self.heterogeneity >= 0, f"{prefix}.heterogeneity", self.heterogeneity, "must be >= 0")
         if not 0 < self.amplitude < float("inf"):
             raise OptionsError(f"{prefix}.amplitude", self.amplitude, "must be a finite number > 0 (volts)")
-        if self.representation not in REPRESENTATIONS:
-            raise OptionsError(f"{prefix}.representation", self.representation, "must be one of " + ", ".join(REPRESENTATIONS))
-        if self.estimator not in ESTIMATORS:
-            raise OptionsError(f"{prefix}.estimator", self.estimator, "must be one of " + ", ".join(ESTIMATORS))
+        OptionsError.one_of(f"{prefix}.representation", self.representation, REPRESENTATIONS)
+        OptionsError.one_of(f"{prefix}.estimator", self.estimator, ESTIMATORS)
         if not 0.0 < self.test_fraction < 1.0:
             raise OptionsError(f"{prefix}.test_fraction", self.test_fraction, "must be in the open interval (0, 1)")
-        OptionsError.check(self.dtype in DTYPES, f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
+        OptionsError.one_of(f"{prefix}.dtype", self.dtype, DTYPES)
 
 
 def _rng(seed: int, *key: int) -> np.random.Generator:

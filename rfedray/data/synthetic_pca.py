@@ -45,14 +45,13 @@ class Options:
         OptionsError.check(1 <= self.p < self.d, f"{prefix}.p", self.p, f"must be between 1 and d-1 ({self.d - 1})")
         if self.records_per_client < 1:
             raise OptionsError(f"{prefix}.records_per_client", self.records_per_client, "must be an integer >= 1")
-        if not (0.0 <= self.size_spread < 1.0):
-            raise OptionsError(f"{prefix}.size_spread", self.size_spread, "must be in [0, 1)")
+        OptionsError.check(0.0 <= self.size_spread < 1.0, f"{prefix}.size_spread", self.size_spread, "must be in [0, 1)")
         OptionsError.check(self.heterogeneity >= 0, f"{prefix}.heterogeneity", self.heterogeneity, "must be >= 0")
         OptionsError.check(self.eigengap > 0, f"{prefix}.eigengap", self.eigengap, "must be > 0")
         OptionsError.check(self.noise_std >= 0, f"{prefix}.noise_std", self.noise_std, "must be >= 0")
         if not (self.radius > 0 and np.isfinite(self.radius)):
             raise OptionsError(f"{prefix}.radius", self.radius, "must be finite and > 0")
-        OptionsError.check(self.dtype in DTYPES, f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
+        OptionsError.one_of(f"{prefix}.dtype", self.dtype, DTYPES)
 
 
 

@@ -169,16 +169,14 @@ class Options:
     dtype: str = "float32"
 
     def validate(self, prefix: str) -> None:
-        if self.dataset not in DATASETS:
-            raise OptionsError(f"{prefix}.dataset", self.dataset, "must be one of " + ", ".join(DATASETS))
-        if self.partition not in PARTITIONS:
-            raise OptionsError(f"{prefix}.partition", self.partition, "must be one of " + ", ".join(PARTITIONS))
+        OptionsError.one_of(f"{prefix}.dataset", self.dataset, DATASETS)
+        OptionsError.one_of(f"{prefix}.partition", self.partition, PARTITIONS)
         OptionsError.check(self.alpha > 0, f"{prefix}.alpha", self.alpha, "must be > 0")
         for name in ("max_train_records", "max_test_records"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise OptionsError(f"{prefix}.{name}", value, "must be null (all) or an integer >= 1")
-        OptionsError.check(self.dtype in DTYPES, f"{prefix}.dtype", self.dtype, "must be one of " + ", ".join(DTYPES))
+        OptionsError.one_of(f"{prefix}.dtype", self.dtype, DTYPES)
 
 
 def build(options: Options, *, n_clients: int, seed: int) -> ArrayFederation:

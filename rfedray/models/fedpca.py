@@ -118,8 +118,7 @@ class Options:
     p: Optional[int] = None
 
     def validate(self, prefix: str) -> None:
-        if self.manifold not in PARAMETRISATIONS:
-            raise OptionsError(f"{prefix}.manifold", self.manifold, "must be one of " + ", ".join(PARAMETRISATIONS))
+        OptionsError.one_of(f"{prefix}.manifold", self.manifold, PARAMETRISATIONS)
         if self.p is not None and self.p < 1:
             raise OptionsError(f"{prefix}.p", self.p, "must be null (the data's p) or an integer >= 1")
 

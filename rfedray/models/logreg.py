@@ -214,7 +214,7 @@ class Options:
     l2: float = 1e-3
 
     def validate(self, prefix: str) -> None:
-        OptionsError.check(self.task in TASKS, f"{prefix}.task", self.task, "must be one of " + ", ".join(TASKS))
+        OptionsError.one_of(f"{prefix}.task", self.task, TASKS)
         OptionsError.check(self.l2 >= 0, f"{prefix}.l2", self.l2, "must be >= 0")
 
 

@@ -121,9 +121,8 @@ class Options:
     def validate(self, prefix: str) -> None:
         if any(h < 1 for h in self.hidden):
             raise OptionsError(f"{prefix}.hidden", self.hidden, "every width must be an integer >= 1")
-        if self.activation not in ACTIVATIONS:
-            raise OptionsError(f"{prefix}.activation", self.activation, "must be one of " + ", ".join(ACTIVATIONS))
-        OptionsError.check(self.task in TASKS, f"{prefix}.task", self.task, "must be one of " + ", ".join(TASKS))
+        OptionsError.one_of(f"{prefix}.activation", self.activation, ACTIVATIONS)
+        OptionsError.one_of(f"{prefix}.task", self.task, TASKS)
         OptionsError.check(self.l2 >= 0, f"{prefix}.l2", self.l2, "must be >= 0")
 
 
