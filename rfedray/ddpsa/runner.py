@@ -77,8 +77,8 @@ class DDPSARound(Strategy):
         receipts = self.engine.run(chosen, self.task, theta, t)
         secure = collect_sum(self.task.aggregators, self.task.codec, t, self.min_clients)
         if secure.total is not None:
-            layout = ParamLayout.of(theta)
-            mean = layout.unflatten(torch.as_tensor(secure.total / len(secure.participants), dtype=layout_dtype(theta)))
+            layout, dtype = ParamLayout.of(theta), next(iter(theta.values())).dtype
+            mean = layout.unflatten(torch.as_tensor(secure.total / len(secure.participants), dtype=dtype))
             theta = {k: theta[k] - self.lr * mean[k] for k in theta}
         answered = [r for r in receipts.values() if not isinstance(r, ClientFailure)]
         return theta, {
@@ -192,10 +192,6 @@ def run_ddpsa(policy: ClipPolicy, engine: Engine, aggregators: AggregatorGroup, 
                                "max_parties": codec.max_parties, "min_clients": min_clients},
     })
     return {"history": outcome.records, "summary": summary, "theta": outcome.theta}
-
-
-def layout_dtype(theta: Params) -> torch.dtype:
-    return next(iter(theta.values())).dtype
 
 
 def _mean_over(receipts: list[dict], key: str) -> Optional[float]:

@@ -36,9 +36,9 @@ def calibrate_multiplier(accountant: str, epsilon: float, delta: float, total_st
                                  local_steps=1, batch_size=batch_size, records=records, clip=1.0))
 
 
-def pooled_m_estimator(model: FederatedModel, data: tuple[torch.Tensor, ...], tol: float = 1e-10,
-                       max_iter: int = 5000) -> Params:
-    """The non-private pooled M-estimator (minimiser of the mean loss over ``data``), by L-BFGS.
+def pooled_m_estimator(model: FederatedModel, data: tuple[torch.Tensor, ...]) -> Params:
+    """The non-private pooled M-estimator (minimiser of the mean loss over ``data``), by L-BFGS to a
+    gradient tolerance of 1e-10 (at most 5000 iterations).
 
     A simulation oracle (it reads every client's records): the reference the estimation error
     is measured against.
@@ -58,7 +58,7 @@ def pooled_m_estimator(model: FederatedModel, data: tuple[torch.Tensor, ...], to
     layout_dtype = next(iter(theta.values())).dtype
     start = layout.flatten(theta).double().numpy()
     result = minimize(value_and_grad, start, jac=True, method="L-BFGS-B",
-                      options={"maxiter": max_iter, "gtol": tol, "ftol": 0.0, "maxcor": 30})
+                      options={"maxiter": 5000, "gtol": 1e-10, "ftol": 0.0, "maxcor": 30})
     return layout.unflatten(torch.as_tensor(result.x, dtype=layout_dtype))
 
 

@@ -103,15 +103,19 @@ def _figure_dimension(path: Path, rows: Sequence[Row]) -> str:
     return save_figure(fig, path)
 
 
-class FedPCADimension:
+class FedPCAStudy:
+    """What the federated-PCA studies take besides a scale: fewer seeds, and config overrides for every run."""
+
+    accepts_seeds = True
+    accepts_overrides = True
+
+
+class FedPCADimension(FedPCAStudy):
     """Figure 2 (a, b) and Table 9: the cost of privacy against intrinsic and ambient dimension."""
 
     name = "fedpca-dimension"
     description = "Table 9 / Figure 2(a,b): cost of privacy vs intrinsic (p(d-p)) and ambient dimension"
     laptop_minutes = {"tiny": 1, "full": 20}
-
-    accepts_seeds = True
-    accepts_overrides = True
 
     def run(self, out: Path, scale: str, workers=None, seeds=None, overrides=()) -> Path:
         sc = replace(SCALES[scale], seeds=seeds or SCALES[scale].seeds)
@@ -149,15 +153,12 @@ class FedPCADimension:
         return write_outputs(out, "fedpca-dimension", [table], figures, preface=_preface(scale, sc, overrides))
 
 
-class FedPCAParticipation:
+class FedPCAParticipation(FedPCAStudy):
     """Figure 2 (c): the effect of the cohort size k on the private optimality gap."""
 
     name = "fedpca-participation"
     description = "Figure 2(c): optimality gap vs clients per round k (epsilon = 1)"
     laptop_minutes = {"tiny": 1, "full": 20}
-
-    accepts_seeds = True
-    accepts_overrides = True
 
     def run(self, out: Path, scale: str, workers=None, seeds=None, overrides=()) -> Path:
         sc = replace(SCALES[scale], seeds=seeds or SCALES[scale].seeds)
@@ -184,15 +185,12 @@ class FedPCAParticipation:
         return write_outputs(out, "fedpca-participation", [table], figures, preface=_preface(scale, sc, overrides))
 
 
-class FedPCAAccounting:
+class FedPCAAccounting(FedPCAStudy):
     """Figure 2 (d) and Table 10: our accounting against PriRFed's at several epsilons."""
 
     name = "fedpca-accounting"
     description = "Table 10 / Figure 2(d): ProjAvg, RLAvg, RetAvg (ours) vs PriRFed at epsilon 0.5..10"
     laptop_minutes = {"tiny": 2, "full": 20}
-
-    accepts_seeds = True
-    accepts_overrides = True
 
     def run(self, out: Path, scale: str, workers=None, seeds=None, overrides=()) -> Path:
         sc = replace(SCALES[scale], seeds=seeds or SCALES[scale].seeds)
