@@ -30,7 +30,7 @@ from rfedray.geometry import ProductManifold
 from rfedray.models.eegnet import EEGNet
 from rfedray.models.fedpca import GROUP, FedPCA
 from rfedray.models.spdnet import SPDNet
-from rfedray.privacy.mechanism import noise_generator, private_gradient
+from rfedray.privacy.mechanism import noise_generator, private_gradient, standard_noise
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,8 @@ def steps(case: Case, generator: torch.Generator, device: str = "cpu") -> tuple[
 
     def private():
         out = update(private_gradient(model.per_sample_loss, params, product, records,
-                                      clip=case.clip, sigma=case.sigma, generator=noise, rule=model.gradient_rule))
+                                      clip=case.clip, sigma=case.sigma, noise=standard_noise(product, params, noise),
+                                      rule=model.gradient_rule))
         synchronize(device)
         return out
 

@@ -21,9 +21,10 @@ from rfedray.privacy.accountants import (
 from rfedray.privacy.ledger import PrivacyLedger
 from rfedray.privacy.plan import GaussianMechanism
 from rfedray.privacy.checks import PrivacyParameterError
-from rfedray.privacy.gdp import gdp_delta, gdp_epsilon, gdp_mu, subsampled_tradeoff
+from rfedray.privacy.gdp import gdp_delta, gdp_epsilon, gdp_mu
 from rfedray.privacy.pld import DiscretePLD, subsampled_gaussian_pld
 from rfedray.privacy import paper
+from tradeoff import subsampled_tradeoff
 
 DELTA = 1e-5
 PAPER = dict(batch_size=500, records=5000, local_steps=10, delta=DELTA)
@@ -257,10 +258,8 @@ def test_calibration_is_fast_on_the_paper_setting():
     assert time.process_time() - start < 2.0
 
 
-def test_prirfed_round_budget():
-    eps_r, delta_r = PriRFedAccountant.round_budget(1.0, DELTA, 200)
-    assert delta_r == pytest.approx(DELTA / 400)
-    assert PriRFedAccountant.compose_rounds(eps_r, 200, DELTA) == pytest.approx(1.0, rel=1e-12)
+def test_prirfed_composes_the_exact_round_account():
+    delta_r = DELTA / (2 * 200)  # each of T = 200 rounds at delta / (2T), slack delta / 2
     # Its accounting of the paper's sigma is the advanced composition of the exact round account.
     sigma = 0.131
     inner = gaussian_eps(ExactAccountant(1e-5), sigma=sigma, clip=paper.PAPER_CLIP, batch_size=500, records=5000,

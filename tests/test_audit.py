@@ -23,7 +23,7 @@ from rfedray.audit import (
     linear_shift, ratio_from_shift,
 )
 from rfedray.config import ConfigError, load_config
-from rfedray.privacy.mechanism import ClipShares, private_gradient_with_noise, standard_noise, noise_generator
+from rfedray.privacy.mechanism import ClipShares, private_gradient, standard_noise, noise_generator
 
 
 def simulated_statistics(rng, trials, canaries, mu0, steps, q):
@@ -82,26 +82,26 @@ def test_canaries_are_clipped_to_c_along_their_directions(auditors, manifold):
     noise = {g: torch.zeros_like(v, dtype=torch.float64) for g, v in theta.items()}
     clip = auditor.fed.privacy.clip
     kw = dict(clip=clip, sigma=1.0, noise=noise)
-    generic = private_gradient_with_noise(model.per_sample_loss, theta, product, (z, coefficients), rule=None, **kw)
+    generic = private_gradient(model.per_sample_loss, theta, product, (z, coefficients), rule=None, **kw)
     units = canaries.unit_tangents(theta)
     expected = {g: clip / 6 * torch.tensordot(signs, u[:6], dims=1) for g, u in units.items()}
     for g in theta:
         assert torch.allclose(generic[g], expected[g], atol=1e-12)
     if model.gradient_rule is not None:
-        ruled = private_gradient_with_noise(model.per_sample_loss, theta, product, (z, coefficients),
-                                            rule=model.gradient_rule, **kw)
+        ruled = private_gradient(model.per_sample_loss, theta, product, (z, coefficients),
+                                 rule=model.gradient_rule, **kw)
         assert all(torch.allclose(ruled[g], generic[g], atol=1e-12) for g in theta)
     mixed = torch.zeros(6, canaries.count, dtype=z.dtype)
     mixed[0, 3] = 1.0  # one canary among data records: the rule and vmap(grad) agree there too
     if model.gradient_rule is not None:
-        a = private_gradient_with_noise(model.per_sample_loss, theta, product, (z, mixed), rule=None, **kw)
-        b = private_gradient_with_noise(model.per_sample_loss, theta, product, (z, mixed), rule=model.gradient_rule, **kw)
+        a = private_gradient(model.per_sample_loss, theta, product, (z, mixed), rule=None, **kw)
+        b = private_gradient(model.per_sample_loss, theta, product, (z, mixed), rule=model.gradient_rule, **kw)
         assert all(torch.allclose(a[g], b[g], atol=1e-12) for g in theta)
         # Group-wise clipping of the one group (share 1) is joint clipping, canaries included, bit for bit.
         one = ClipShares.of({g: 1.0 for g in theta})
         for records, joint in (((z, mixed), b), ((z, coefficients), ruled)):
-            grouped = private_gradient_with_noise(model.per_sample_loss, theta, product, records,
-                                                  rule=model.gradient_rule, shares=one, **kw)
+            grouped = private_gradient(model.per_sample_loss, theta, product, records,
+                                       rule=model.gradient_rule, shares=one, **kw)
             assert all(torch.equal(grouped[g], joint[g]) for g in theta)
 
 

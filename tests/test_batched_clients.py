@@ -26,7 +26,7 @@ from rfedray.federated.setup import build_scheme, initial_params, local_plan
 from rfedray.geometry import Euclidean, Grassmann, ProductManifold, Sphere, Stiefel
 from rfedray.optim import build_optimizer
 from rfedray.privacy.mechanism import (
-    noise_generator, nonprivate_gradient, per_sample_gradients, private_gradient, private_gradient_with_noise,
+    noise_generator, nonprivate_gradient, per_sample_gradients, private_gradient,
     sample_batch, standard_noise,
 )
 
@@ -84,9 +84,9 @@ def algorithm_1(fed, plan, client_id, theta, round_index, optimizer_state):
         noise = standard_noise(product, params, generator) if plan.private else None
         batch = tuple(r.index_select(0, index) for r in records)
         if plan.private:
-            grad = private_gradient_with_noise(fed.model.per_sample_loss, params, product, batch,
-                                               clip=plan.mechanism.clip, sigma=plan.mechanism.sigma, noise=noise,
-                                               rule=fed.model.gradient_rule)
+            grad = private_gradient(fed.model.per_sample_loss, params, product, batch,
+                                    clip=plan.mechanism.clip, sigma=plan.mechanism.sigma, noise=noise,
+                                    rule=fed.model.gradient_rule)
         else:
             grad = nonprivate_gradient(fed.model.per_sample_loss, params, product, batch)
         params = {g: optimizers[g].step(params[g], grad[g], round_index * plan.local_steps + j) for g in params}
@@ -244,7 +244,8 @@ def test_private_gradient_is_the_projected_clipped_mean_plus_projected_noise():
     y = torch.randn(16, generator=gen, dtype=torch.float64)
     y[4] = float("nan")
     clip, sigma = 60.0, 0.3
-    out = private_gradient(loss, params, prod, (z, y), clip=clip, sigma=sigma, generator=noise_generator(5))
+    out = private_gradient(loss, params, prod, (z, y), clip=clip, sigma=sigma,
+                           noise=standard_noise(prod, params, noise_generator(5)))
     tangent = prod.proj_tangent(params, per_sample_gradients(loss, params, (z, y)))
     norms = prod.norm(tangent)
     keep = torch.isfinite(norms)

@@ -29,7 +29,7 @@ from rfedray.federated.loop import Federation
 from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.setup import initial_params, local_plan
 from rfedray.geometry import ProductManifold
-from rfedray.privacy.mechanism import noise_generator, private_gradient_with_noise, standard_noise
+from rfedray.privacy.mechanism import noise_generator, private_gradient, standard_noise
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -54,7 +54,7 @@ def test_the_private_step_on_cuda_equals_the_cpu(case):
 
     def step(device):
         on = {g: v.to(device) for g, v in params.items()}
-        return private_gradient_with_noise(
+        return private_gradient(
             model.per_sample_loss, on, product, tuple(r.to(device) for r in built.records), clip=built.clip,
             sigma=built.sigma, noise={g: v.to(device) for g, v in noise.items()}, rule=model.gradient_rule)
 

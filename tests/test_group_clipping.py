@@ -16,7 +16,7 @@ from rfedray.geometry import Euclidean, Grassmann, ProductManifold, Sphere, Stie
 from rfedray.models.fedpca import GROUP, ProjectorGradients
 from rfedray.privacy.checks import PrivacyParameterError
 from rfedray.privacy.mechanism import (
-    ClipShares, noise_generator, per_sample_gradients, private_gradient, private_gradient_with_noise, standard_noise,
+    ClipShares, noise_generator, per_sample_gradients, private_gradient, standard_noise,
 )
 
 B, D = 16, 6
@@ -72,8 +72,8 @@ def test_every_clipped_record_has_norm_at_most_c_and_each_group_at_most_its_shar
         tangent, norms = tangent_gradients(prod, params, records)
         for l in range(6):
             one = tuple(r[l:l + 1] for r in records)
-            out = private_gradient_with_noise(loss, params, prod, one, clip=clip, sigma=1.0,
-                                              noise=zero_noise(prod, params), shares=shares)
+            out = private_gradient(loss, params, prod, one, clip=clip, sigma=1.0,
+                                   noise=zero_noise(prod, params), shares=shares)
             assert float(prod.norm(out)) <= clip * (1 + 1e-12)
             for g, bound in shares.bounds(clip).items():
                 raw = float(norms[g][l])
@@ -92,11 +92,13 @@ def test_group_clipped_mean_matches_a_reference():
     tangent, norms = tangent_gradients(prod, params, records)
     reference = {g: (tangent[g] * torch.clamp(shares.bounds(clip)[g] / norms[g], max=1.0).view(-1, *[1] * (tangent[g].dim() - 1))).mean(0)
                  for g in prod.groups}
-    out = private_gradient(loss, params, prod, records, clip=clip, sigma=1e-14, generator=noise_generator(1), shares=shares)
+    out = private_gradient(loss, params, prod, records, clip=clip, sigma=1e-14,
+                           noise=standard_noise(prod, params, noise_generator(1)), shares=shares)
     for g in prod.groups:
         torch.testing.assert_close(out[g], reference[g], rtol=0, atol=1e-12)
     # It is not joint clipping: the joint rule gives another value here.
-    joint = private_gradient(loss, params, prod, records, clip=clip, sigma=1e-14, generator=noise_generator(1))
+    joint = private_gradient(loss, params, prod, records, clip=clip, sigma=1e-14,
+                             noise=standard_noise(prod, params, noise_generator(1)))
     assert max(float((joint[g] - out[g]).abs().max()) for g in prod.groups) > 1e-3
 
 
@@ -109,8 +111,10 @@ def test_one_replaced_record_moves_the_release_by_at_most_2c_over_b():
         z2, y2, a2 = z.clone(), y.clone(), a.clone()
         z2[5], y2[5], a2[5] = 100.0 * torch.ones(D, dtype=torch.float64), -1e3, 1e3
         kw = dict(clip=clip, sigma=0.7, shares=shares)
-        out = private_gradient(loss, params, prod, (z, y, a), generator=noise_generator(3), **kw)
-        neighbour = private_gradient(loss, params, prod, (z2, y2, a2), generator=noise_generator(3), **kw)
+        out = private_gradient(loss, params, prod, (z, y, a),
+                               noise=standard_noise(prod, params, noise_generator(3)), **kw)
+        neighbour = private_gradient(loss, params, prod, (z2, y2, a2),
+                                     noise=standard_noise(prod, params, noise_generator(3)), **kw)
         gap = float(prod.norm({g: out[g] - neighbour[g] for g in out}))
         assert 0.0 < gap <= 2 * clip / B * (1 + 1e-12)
 
@@ -119,8 +123,8 @@ def test_a_record_large_in_every_group_reaches_norm_c_exactly():
     """The bound is tight: shares spend all of C, not less (so the accounting is not loose either)."""
     prod, params, (z, y, a) = setup(4, batch=1)
     shares = ClipShares.of({"w": 0.8, "g": 0.36, "u": 0.36, "h": math.sqrt(1 - 0.64 - 2 * 0.36 ** 2)})
-    out = private_gradient_with_noise(loss, params, prod, (z, y + 1e3, a * 0 + 1e3), clip=0.5, sigma=1.0,
-                                      noise=zero_noise(prod, params), shares=shares)
+    out = private_gradient(loss, params, prod, (z, y + 1e3, a * 0 + 1e3), clip=0.5, sigma=1.0,
+                           noise=zero_noise(prod, params), shares=shares)
     assert float(prod.norm(out)) == pytest.approx(0.5, rel=1e-12)
 
 
@@ -134,9 +138,9 @@ def test_one_group_with_share_one_is_joint_clipping_bit_for_bit():
 
     theta = {"w": params["w"]}
     noise = standard_noise(single, theta, noise_generator(2))
-    joint = private_gradient_with_noise(loss_w, theta, single, (z, y), clip=1.0, sigma=0.3, noise=noise)
-    grouped = private_gradient_with_noise(loss_w, theta, single, (z, y), clip=1.0, sigma=0.3, noise=noise,
-                                          shares=ClipShares.of({"w": 1.0}))
+    joint = private_gradient(loss_w, theta, single, (z, y), clip=1.0, sigma=0.3, noise=noise)
+    grouped = private_gradient(loss_w, theta, single, (z, y), clip=1.0, sigma=0.3, noise=noise,
+                               shares=ClipShares.of({"w": 1.0}))
     assert torch.equal(joint["w"], grouped["w"])
 
     gen = torch.Generator().manual_seed(0)
@@ -145,8 +149,8 @@ def test_one_group_with_share_one_is_joint_clipping_bit_for_bit():
     records = (3.0 * torch.randn(B, 8, dtype=torch.float64, generator=gen),)
     noise = standard_noise(grass, point, noise_generator(4))
     kw = dict(clip=1.0, sigma=0.2, noise=noise, rule=ProjectorGradients())
-    joint = private_gradient_with_noise(None, point, grass, records, **kw)
-    grouped = private_gradient_with_noise(None, point, grass, records, shares=ClipShares.of({GROUP: 1.0}), **kw)
+    joint = private_gradient(None, point, grass, records, **kw)
+    grouped = private_gradient(None, point, grass, records, shares=ClipShares.of({GROUP: 1.0}), **kw)
     assert torch.equal(joint[GROUP], grouped[GROUP])
 
 
@@ -165,7 +169,7 @@ def test_bad_shares_are_refused_naming_the_field(shares, message):
 
 def test_shares_must_name_exactly_the_model_groups():
     prod, params, records = setup(0)
-    kw = dict(clip=1.0, sigma=0.1, generator=noise_generator(0))
+    kw = dict(clip=1.0, sigma=0.1, noise=standard_noise(prod, params, noise_generator(0)))
     with pytest.raises(PrivacyParameterError, match="unknown group 'head'"):
         private_gradient(loss, params, prod, records, shares=ClipShares.of({"head": 1.0}), **kw)
     with pytest.raises(PrivacyParameterError, match="no share for group 'g'; .* w, g, u, h"):

@@ -70,7 +70,8 @@ def test_private_gradient_is_the_clipped_mean_plus_projected_noise():
     prod, params, records = setup()
     clip = 20.0
     reference = clipped_mean(prod, params, records, clip)
-    out = private_gradient(loss, params, prod, records, clip=clip, sigma=1e-14, generator=noise_generator(1))
+    out = private_gradient(loss, params, prod, records, clip=clip, sigma=1e-14,
+                           noise=standard_noise(prod, params, noise_generator(1)))
     for k in params:
         torch.testing.assert_close(out[k], reference[k], rtol=0, atol=1e-12)
     # Clipping was active for some records and not others: the test exercises both branches.
@@ -81,7 +82,8 @@ def test_private_gradient_is_the_clipped_mean_plus_projected_noise():
 def test_noise_has_the_requested_scale_and_is_tangent():
     prod, params, records = setup()
     sigma = 3.0
-    draws = [private_gradient(loss, params, prod, records, clip=0.1, sigma=sigma, generator=noise_generator(s))
+    draws = [private_gradient(loss, params, prod, records, clip=0.1, sigma=sigma,
+                              noise=standard_noise(prod, params, noise_generator(s)))
              for s in range(40)]
     for k, m in prod.groups.items():
         for out in draws:
@@ -97,8 +99,10 @@ def test_sensitivity_of_one_replaced_record_is_at_most_2c_over_b():
     clip = 0.3
     z2, y2 = z.clone(), y.clone()
     z2[5], y2[5] = 100.0 * torch.ones(D, dtype=torch.float64), -1e3
-    a = private_gradient(loss, params, prod, (z, y), clip=clip, sigma=0.7, generator=noise_generator(3))
-    b = private_gradient(loss, params, prod, (z2, y2), clip=clip, sigma=0.7, generator=noise_generator(3))
+    a = private_gradient(loss, params, prod, (z, y), clip=clip, sigma=0.7,
+                         noise=standard_noise(prod, params, noise_generator(3)))
+    b = private_gradient(loss, params, prod, (z2, y2), clip=clip, sigma=0.7,
+                         noise=standard_noise(prod, params, noise_generator(3)))
     gap = float(prod.norm({k: a[k] - b[k] for k in a}))
     assert 0.0 < gap <= 2 * clip / B + 1e-12
 
@@ -107,7 +111,8 @@ def test_non_finite_record_contributes_zero():
     prod, params, (z, y) = setup()
     y = y.clone()
     y[2] = float("nan")
-    out = private_gradient(loss, params, prod, (z, y), clip=0.5, sigma=1e-14, generator=noise_generator(0))
+    out = private_gradient(loss, params, prod, (z, y), clip=0.5, sigma=1e-14,
+                           noise=standard_noise(prod, params, noise_generator(0)))
     keep = torch.arange(B) != 2
     reference = clipped_mean(prod, params, (z[keep], y[keep]), 0.5)
     for k in params:
@@ -127,11 +132,12 @@ def test_private_gradient_bad_arguments():
     prod, params, records = setup()
     gen = noise_generator(0)
     with pytest.raises(ValueError, match=r"clip=0.0: must be > 0"):
-        private_gradient(loss, params, prod, records, clip=0.0, sigma=1.0, generator=gen)
+        private_gradient(loss, params, prod, records, clip=0.0, sigma=1.0, noise=standard_noise(prod, params, gen))
     with pytest.raises(ValueError, match=r"sigma=-1.0: must be > 0"):
-        private_gradient(loss, params, prod, records, clip=1.0, sigma=-1.0, generator=gen)
+        private_gradient(loss, params, prod, records, clip=1.0, sigma=-1.0, noise=standard_noise(prod, params, gen))
     with pytest.raises(ValueError, match=r"records=.*leading batch dimension"):
-        private_gradient(loss, params, prod, (records[0], records[1][:3]), clip=1.0, sigma=1.0, generator=gen)
+        private_gradient(loss, params, prod, (records[0], records[1][:3]), clip=1.0, sigma=1.0,
+                         noise=standard_noise(prod, params, gen))
 
 
 def test_sample_batch_draws_exactly_b_distinct_indices():
@@ -206,9 +212,9 @@ def test_fedpca_gradient_rule_equals_the_generic_per_sample_path(dtype, tol):
     clip = float(norms.median())
     assert (norms > clip).any() and (norms < clip).any()
     generic = private_gradient(model.per_sample_loss, params, prod, records, clip=clip, sigma=0.3,
-                               generator=noise_generator(5))
+                               noise=standard_noise(prod, params, noise_generator(5)))
     ruled = private_gradient(model.per_sample_loss, params, prod, records, clip=clip, sigma=0.3,
-                             generator=noise_generator(5), rule=model.gradient_rule)
+                             noise=standard_noise(prod, params, noise_generator(5)), rule=model.gradient_rule)
     scale = float(prod.norm(generic))
     torch.testing.assert_close(ruled["subspace"], generic["subspace"], rtol=0, atol=tol * scale)
 
@@ -223,7 +229,7 @@ def test_fedpca_gradient_rule_keeps_the_sensitivity_and_drops_non_finite_records
 
     def step(records):
         return private_gradient(model.per_sample_loss, params, prod, records, clip=clip, sigma=0.7,
-                                generator=noise_generator(3), rule=model.gradient_rule)
+                                noise=standard_noise(prod, params, noise_generator(3)), rule=model.gradient_rule)
 
     a, b, c = step((z,)), step((z2,)), step((z3,))
     gap = float(prod.norm({k: a[k] - b[k] for k in a}))

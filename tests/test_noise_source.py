@@ -31,7 +31,9 @@ def one_private_step(seed: int) -> torch.Tensor:
     records = torch.linspace(-1, 1, 50 * 4, dtype=torch.float32).view(50, 4)
     batch = records[sample_batch(50, 10, gen)]
     prod = ProductManifold({"h": Euclidean(4)})
-    return private_gradient(linear_loss, {"h": torch.zeros(4)}, prod, (batch,), clip=1.0, sigma=1.0, generator=gen)["h"]
+    params = {"h": torch.zeros(4)}
+    return private_gradient(linear_loss, params, prod, (batch,), clip=1.0, sigma=1.0,
+                            noise=standard_noise(prod, params, gen))["h"]
 
 
 def test_seeds_differing_above_bit_32_give_different_minibatches_and_noise():
@@ -90,7 +92,8 @@ def test_private_step_scales_the_noise_in_float64_before_the_cast():
     params = {"h": torch.zeros(6, dtype=torch.float32)}
     records = (torch.zeros(4, 6, dtype=torch.float32),)
     sigma = 0.3
-    out = private_gradient(linear_loss, params, prod, records, clip=1.0, sigma=sigma, generator=noise_generator(SEED))["h"]
+    out = private_gradient(linear_loss, params, prod, records, clip=1.0, sigma=sigma,
+                           noise=standard_noise(prod, params, noise_generator(SEED)))["h"]
     expected = (sigma * noise_generator(SEED).standard_normal((6,))).to(torch.float32)
     assert torch.equal(out, expected)
 

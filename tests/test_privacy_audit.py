@@ -20,8 +20,8 @@ import torch
 from scipy import stats
 
 from rfedray.geometry import Euclidean, ProductManifold, Sphere
-from rfedray.privacy.gdp import subsampled_tradeoff
-from rfedray.privacy.mechanism import noise_generator, private_gradient, sample_batch
+from rfedray.privacy.mechanism import noise_generator, private_gradient, sample_batch, standard_noise
+from tradeoff import subsampled_tradeoff
 
 CLIP, SIGMA, M, B = 1.0, 1.0, 4, 2
 MU0 = 2 * CLIP / (B * SIGMA)
@@ -63,7 +63,8 @@ def statistics(runs, seed, clip=CLIP, sigma=SIGMA, manifold_kind="euclidean"):
         values = np.empty(runs)
         for r in range(runs):
             batch = data[sample_batch(M, B, gen)]
-            g = private_gradient(linear_loss, params, prod, (batch,), clip=clip, sigma=sigma, generator=gen)
+            g = private_gradient(linear_loss, params, prod, (batch,), clip=clip, sigma=sigma,
+                                 noise=standard_noise(prod, params, gen))
             values[r] = (float(g["theta"][0]) + CLIP) / SIGMA
         out.append(values)
     return out

@@ -81,7 +81,7 @@ def test_bad_arguments_print_one_line_and_exit_2(argv, message, capsys):
 
 def test_module_entry_point_and_exit_status():
     run = subprocess.run(
-        [sys.executable, "-m", "rfedray.privacy.commands", "privacy", "calibrate", "--epsilon", "-1", *MECHANISM],
+        [sys.executable, "-m", "rfedray.cli", "privacy", "calibrate", "--epsilon", "-1", *MECHANISM],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert run.returncode == 2

@@ -52,14 +52,12 @@ class BudgetFiles:
     ----------
     run_dir : RunDirectory
     fingerprint : dict
-        What the accounting depends on (:func:`rfedray.federated.loop.accounting_fingerprint`).
+        What the accounting depends on (:func:`rfedray.federated.resume.accounting_fingerprint`).
     """
 
     def __init__(self, run_dir: RunDirectory, fingerprint: dict):
         self.run_dir, self.fingerprint = run_dir, fingerprint
         self._head: Optional[str] = None  # the digest of the charge log's last line, once known
-
-    log = LOG_NAME
 
     # ----- writing ------------------------------------------------------------------------------
 
@@ -69,7 +67,7 @@ class BudgetFiles:
         rd.write_json("budget.json", {"fingerprint": self.fingerprint, "ledger": ledger_state, "round": None, "head": ""})
         header = (json.dumps({"charge": 0, "run_id": rd.run_id, "fingerprint": self.fingerprint, "prev": ""},
                              sort_keys=True) + "\n").encode()
-        rd.write_bytes(self.log, header)
+        rd.write_bytes(LOG_NAME, header)
         self._head = _digest(header)
 
     def commit(self, ledger_state: dict, round_index: Optional[int], cohort: Sequence[int], count: int,
@@ -106,7 +104,7 @@ class BudgetFiles:
         self._head = None  # unknown until the line is in the log
         rd.write_json("budget.json", {"fingerprint": self.fingerprint, "ledger": ledger_state, "round": round_index,
                                       "head": _digest(line), "last": entry, **(extra or {})})
-        rd.append_line(self.log, line)
+        rd.append_line(LOG_NAME, line)
         self._head = _digest(line)
 
     def _last_line_digest(self) -> str:
@@ -242,4 +240,4 @@ class BudgetFiles:
         saved = self.current()
         line = None if saved is None else self._missing_line(saved)
         if line is not None and self._chain() and self._chain()[-1]["charge"] == saved["ledger"].get("charges", 0) - 1:
-            self.run_dir.append_line(self.log, line)
+            self.run_dir.append_line(LOG_NAME, line)

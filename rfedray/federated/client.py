@@ -42,7 +42,7 @@ from rfedray.config import OptimizerConfig
 from rfedray.geometry import ProductManifold
 from rfedray.optim import build_optimizer
 from rfedray.privacy.mechanism import (
-    ClipShares, noise_generator, nonprivate_gradient, private_gradient_with_noise, rule_gradient, sample_batch,
+    ClipShares, noise_generator, nonprivate_gradient, private_gradient, rule_gradient, sample_batch,
     standard_noise,
 )
 from rfedray.privacy.randomness import SecureGenerator
@@ -222,7 +222,7 @@ class Client:
         """
         if self.plan.private:
             mechanism = self.plan.mechanism
-            return private_gradient_with_noise(
+            return private_gradient(
                 self.model.per_sample_loss, params, self.product, batch,
                 clip=mechanism.clip, sigma=mechanism.sigma, noise=noise, rule=self.plan.closed_form_rule(self.model),
                 shares=self.plan.clip_shares,

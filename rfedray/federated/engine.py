@@ -129,17 +129,14 @@ class ClientHost:
         return results
 
 
-class LocalEngine:
-    """Every client in this process, on the dataset and model the caller already built."""
+class LocalEngine(ClientHost):
+    """Every client in this process, on the dataset and model the caller already built: one host of all."""
 
     def __init__(self, dataset: FederatedDataset, model: FederatedModel):
-        self.host = ClientHost(None, range(dataset.num_clients), dataset, model)
-
-    def run(self, cohort, task, theta, round_index):
-        return self.host.run(list(cohort), task, theta, round_index)
+        super().__init__(None, range(dataset.num_clients), dataset, model)
 
     def close(self) -> None:
-        self.host = None  # type: ignore[assignment]
+        self._clients.clear()
 
 
 def check_task_run(sizes: Sequence[int], clients_per_round: int, batch_size: int, rounds: int,

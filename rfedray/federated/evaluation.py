@@ -76,18 +76,6 @@ class Evaluation(Protocol):
     def evaluate(self, theta: Params, round_index: int) -> Evaluated: ...
 
 
-class ClientHosts(Protocol):
-    """What the client-side evaluation needs of an engine (an Executor): every client runs a task
-    where it is hosted, and the shares go to the engine's aggregators."""
-
-    def evaluate_clients(self, task: "EvaluationTask", theta: Params, round_index: int) -> Mapping[int, Any]:
-        """``task(client, theta, round_index)`` on every client of the federation, where it is hosted:
-        each client's answer, or anything else for a client that did not answer."""
-
-    def share_aggregators(self) -> AggregatorGroup:
-        """The aggregators the clients' shares go to (created on first use, closed with the engine)."""
-
-
 def evaluation_vector(records: int, metrics: Mapping[str, float], codec: FixedPointCodec) -> tuple[tuple[str, ...], np.ndarray]:
     """A client's evaluation as the vector it secret-shares.
 
@@ -147,15 +135,16 @@ class ClientTestEvaluation:
 
     Parameters
     ----------
-    hosts : ClientHosts
-        The engine (its executor).
+    hosts : Executor
+        The engine (:class:`~rfedray.federated.executor.Executor`): its ``evaluate_clients`` runs the
+        task where each client is hosted, and its ``share_aggregators`` receive the shares.
     n_clients : int
         Clients of the federation (the codec's ``max_parties``).
     """
 
     oracle = False
 
-    def __init__(self, hosts: ClientHosts, n_clients: int):
+    def __init__(self, hosts, n_clients: int):
         self.hosts, self.n_clients = hosts, n_clients
         self._no_test_splits = False
         self.codec = FixedPointCodec(max_parties=max(1, n_clients))

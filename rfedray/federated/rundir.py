@@ -34,25 +34,8 @@ import torch
 
 from rfedray.errors import RfedrayError
 from rfedray.federated.storage import (
-    RunDirectoryBusyError, RunDirectoryWriteError, RunLock, Store, atomic_write_bytes, describe_holder, local_path,
-    open_store, write_problem,
+    RunDirectoryWriteError, RunLock, Store, describe_holder, local_path, open_store,
 )
-
-__all__ = ["RunDirectory", "RunDirectoryBusyError", "RunDirectoryWriteError", "atomic_write_bytes",
-           "atomic_write_json", "new_run_id"]
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Replace the local file ``path`` by ``obj`` as JSON, all at once.
-
-    Raises
-    ------
-    RunDirectoryWriteError
-    """
-    try:
-        atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n").encode())
-    except OSError as exc:
-        raise write_problem(str(path), exc, str(Path(path).parent)) from None
 
 
 def new_run_id(name: str) -> str:

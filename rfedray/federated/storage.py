@@ -30,8 +30,9 @@ import shutil
 import socket
 import threading
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Optional
 
 from rfedray.errors import RfedrayError
 
@@ -90,63 +91,67 @@ def _holder_record(command: str, token: str) -> dict:
             "token": token, "released": False}
 
 
-class RunLock(Protocol):
-    """One writer per run directory (see :class:`LocalLock`, :class:`ObjectLock`); a context manager."""
+class RunLock(ABC):
+    """One writer per run directory (:class:`LocalLock`, :class:`ObjectLock`); a context manager:
+    leaving the block releases it.
+
+    Attributes
+    ----------
+    previous : dict
+        What ``.lock`` said of the last holder when this one took the lock.
+    """
 
     previous: dict
 
-    def __enter__(self) -> "RunLock": ...
+    @abstractmethod
+    def announce(self, command: str) -> str:
+        """Record this holder in ``.lock`` (host, pid, start time, a fresh token); return the token."""
 
-    def __exit__(self, *exc) -> None: ...
+    @abstractmethod
+    def previous_holder_died(self) -> bool:
+        """Whether the last holder ended without releasing the lock."""
 
-    def announce(self, command: str) -> str: ...
-
-    def previous_holder_died(self) -> bool: ...
-
+    @abstractmethod
     def release(self) -> None: ...
 
+    def __enter__(self) -> "RunLock":
+        return self
 
-class Store(Protocol):
-    """The files of one run directory, by name."""
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class Store:
+    """The files of one run directory, by name (:class:`LocalStore`, :class:`ObjectStore`).
+
+    Each store has ``where(name)`` (the file's path or URL), ``read_bytes``, ``exists``, ``is_file``,
+    ``size``, ``write_atomic`` (the old bytes or the new, never a part), ``append`` (a whole line or
+    nothing), ``remove_all`` and ``lock`` (a :class:`RunLock`). Only a disk keeps ``.reserve``
+    (:class:`LocalStore`): object storage does not fill up like one, so by default nothing is
+    reserved and the store is never out of space.
+    """
 
     location: str | Path
 
-    def where(self, name: str) -> str | Path: ...
+    def lock_record(self) -> dict:
+        """What ``.lock`` says about the run directory's last announced holder; ``{}`` when nothing readable."""
+        try:
+            info = json.loads(self.read_bytes(LOCK))
+        except (OSError, ValueError):
+            return {}
+        return info if isinstance(info, dict) else {}
 
-    def read_bytes(self, name: str) -> bytes: ...
+    def reserve(self, nbytes: int) -> bool:
+        return True
 
-    def exists(self, name: str) -> bool: ...
+    def release_reserve(self) -> bool:
+        return False
 
-    def is_file(self, name: str) -> bool: ...
+    def out_of_space(self) -> bool:
+        return False
 
-    def size(self, name: str) -> int: ...
-
-    def write_atomic(self, name: str, data: bytes) -> None: ...
-
-    def append(self, name: str, line: bytes) -> None: ...
-
-    def remove_all(self) -> None: ...
-
-    def lock(self) -> RunLock: ...
-
-    def lock_record(self) -> dict: ...
-
-    def reserve(self, nbytes: int) -> bool: ...
-
-    def release_reserve(self) -> bool: ...
-
-    def out_of_space(self) -> bool: ...
-
-    def drop_reserve(self) -> None: ...
-
-
-def lock_record(store: "Store") -> dict:
-    """What ``.lock`` says about the run directory's last announced holder; ``{}`` when nothing readable."""
-    try:
-        info = json.loads(store.read_bytes(LOCK))
-    except (OSError, ValueError):
-        return {}
-    return info if isinstance(info, dict) else {}
+    def drop_reserve(self) -> None:
+        pass
 
 
 # ----- a folder of this machine ---------------------------------------------------------------
@@ -205,20 +210,7 @@ def _process_start(pid: int) -> Optional[float]:
         return None
 
 
-class _HeldLock:
-    """A lock is a context manager: leaving the block releases it."""
-
-    def release(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-class LocalLock(_HeldLock):
+class LocalLock(RunLock):
     """An exclusive ``flock`` on the run directory itself, held by the driver.
 
     The kernel releases it when its holder exits, however it exits (a killed driver included), so
@@ -287,7 +279,7 @@ class LocalLock(_HeldLock):
         self.fd = None
 
 
-class LocalStore:
+class LocalStore(Store):
     """A run directory in a folder of this machine (a shared mount included).
 
     Parameters
@@ -313,9 +305,6 @@ class LocalStore:
 
     def size(self, name: str) -> int:
         return (self.root / name).stat().st_size
-
-    def lock_record(self) -> dict:
-        return lock_record(self)
 
     def write_atomic(self, name: str, data: bytes) -> None:
         try:
@@ -384,7 +373,7 @@ class LocalStore:
 
 # ----- object storage -------------------------------------------------------------------------
 
-class ObjectLock(_HeldLock):
+class ObjectLock(RunLock):
     """A lock object created only if absent, with a heartbeat; stale after :data:`LEASE_S` without one.
 
     Parameters
@@ -456,7 +445,7 @@ class ObjectLock(_HeldLock):
             pass
 
 
-class ObjectStore:
+class ObjectStore(Store):
     """A run directory in object storage, through fsspec (``s3://bucket/runs/ID``, ``gs://...``).
 
     Parameters
@@ -490,9 +479,6 @@ class ObjectStore:
 
     def size(self, name: str) -> int:
         return self.fs.size(self._key(name))
-
-    def lock_record(self) -> dict:
-        return lock_record(self)
 
     def write_atomic(self, name: str, data: bytes) -> None:
         try:
@@ -531,18 +517,6 @@ class ObjectStore:
 
     def lock(self) -> ObjectLock:
         return ObjectLock(self).acquire()
-
-    def reserve(self, nbytes: int) -> bool:
-        return True  # object storage does not fill up like a disk
-
-    def release_reserve(self) -> bool:
-        return False
-
-    def out_of_space(self) -> bool:
-        return False
-
-    def drop_reserve(self) -> None:
-        pass
 
 
 def local_path(location: str | os.PathLike) -> Optional[Path]:

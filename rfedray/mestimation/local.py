@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from rfedray.geometry import Euclidean, ProductManifold
-from rfedray.privacy.mechanism import nonprivate_gradient, private_gradient, sample_batch, scaled_noise
+from rfedray.privacy.mechanism import nonprivate_gradient, private_gradient, sample_batch, scaled_noise, standard_noise
 from rfedray.privacy.randomness import SecureGenerator
 from rfedray.task import Params
 
@@ -73,7 +73,8 @@ def step_gradient(loss: Callable, params: Params, batch: tuple[Tensor, ...], cli
     product = euclidean_product(params)
     if sigma is None:
         return nonprivate_gradient(loss, params, product, batch)
-    return private_gradient(loss, params, product, batch, clip=clip, sigma=sigma, generator=generator)
+    noise = standard_noise(product, params, generator)
+    return private_gradient(loss, params, product, batch, clip=clip, sigma=sigma, noise=noise)
 
 
 class VmapHessian:

@@ -293,19 +293,6 @@ class PriRFedAccountant(Accountant):
             + rounds * round_epsilon * math.expm1(round_epsilon)
         )
 
-    @staticmethod
-    def round_budget(epsilon: float, delta: float, rounds: int) -> tuple[float, float]:
-        """The per-round ``(eps_r, delta_r)`` whose ``rounds``-fold composition is ``(epsilon, delta)``."""
-        epsilon = checks.positive("epsilon", epsilon)
-        delta = checks.open_unit("delta", delta)
-        rounds = checks.positive_int("rounds", rounds)
-        from scipy import optimize  # here, not with the module: a client actor imports it, never needs scipy
-
-        round_epsilon = optimize.brentq(
-            lambda e: PriRFedAccountant.compose_rounds(e, rounds, delta) - epsilon, 0.0, epsilon, xtol=1e-15
-        )
-        return round_epsilon, delta / (2.0 * rounds)
-
     def _epsilon(self, step: GaussianStep, rounds: int, local_steps: int, delta: float) -> float:
         round_epsilon = self.round_accountant.epsilon(step, rounds=1, local_steps=local_steps,
                                                       delta=delta / (2.0 * rounds))
@@ -455,18 +442,3 @@ def calibrate_sigma(
         epsilon=epsilon, delta=delta, rounds=rounds, local_steps=local_steps, start=start, rtol=rtol,
     )
 
-
-__all__ = [
-    "Accountant",
-    "GaussianStep",
-    "LaplaceStep",
-    "ExactAccountant",
-    "LaplaceAccountant",
-    "CLTAccountant",
-    "PriRFedAccountant",
-    "ACCOUNTANTS",
-    "UPPER_BOUNDS",
-    "calibrate_noise",
-    "calibrate_sigma",
-    "require_upper_bound",
-]

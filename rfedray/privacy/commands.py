@@ -20,8 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from rfedray.errors import RfedrayError
 from rfedray.privacy import paper
@@ -192,18 +191,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     table.add_argument("--json", action="store_true", help="print one JSON object")
     table.set_defaults(func=cmd_table)
 
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run ``privacy ...`` alone (``python -m rfedray.privacy.commands privacy table``)."""
-    parser = argparse.ArgumentParser(prog="rfedray")
-    register(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except RfedrayError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

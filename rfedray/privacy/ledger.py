@@ -14,29 +14,18 @@ cohort is needed, and the accountant composes it from its cached one-step transf
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
 
 from rfedray.privacy import checks
 
 if TYPE_CHECKING:
-    from rfedray.privacy.accountants import Accountant, Step
+    from rfedray.privacy.accountants import Accountant
 
 STATE_FORMAT = "rfedray.privacy.ledger/1"
-
-
-class Mechanism(Protocol):
-    """What a ledger needs of a mechanism (:class:`~rfedray.privacy.plan.GaussianMechanism`,
-    :class:`~rfedray.privacy.plan.LaplaceMechanism`): its batch size, the step it makes for a client
-    of ``records`` records, and the parameters the ledger's state records."""
-
-    batch_size: int
-
-    def step(self, records: int) -> "Step": ...
-
-    def state(self) -> dict: ...
 
 
 @dataclass(frozen=True)
@@ -81,8 +70,9 @@ class PrivacyLedger:
     accountant : Accountant
         Of the mechanism's steps, and one that bounds epsilon from above (never the ``clt`` approximation).
     mechanism : GaussianMechanism or LaplaceMechanism
-        What every private step does (:mod:`rfedray.privacy.plan`): it describes a client's step
-        from its record count, and its batch size ``B`` is at most the smallest client's.
+        What every private step does (:mod:`rfedray.privacy.plan`): ``mechanism.step(m)`` describes
+        the step of a client of ``m`` records, its batch size ``B`` is at most the smallest client's,
+        and its fields are the parameters the ledger's state records.
     local_steps : int
         Steps of one participation (``tau``), >= 1.
     delta : float
@@ -96,7 +86,7 @@ class PrivacyLedger:
     def __init__(
         self,
         accountant: "Accountant",
-        mechanism: "Mechanism",
+        mechanism,
         *,
         local_steps: int,
         delta: float,
@@ -194,10 +184,6 @@ class PrivacyLedger:
         """The transcript's record-level epsilon: the largest client epsilon (0 before any round)."""
         return self._spent
 
-    def charges(self) -> int:
-        """How many cohorts were charged: the ledger's sequence number, which only grows."""
-        return self._charges
-
     def client_epsilon(self, client: int) -> float:
         """Epsilon spent so far by the records of ``client``."""
         i = self._check_client(client)
@@ -210,7 +196,7 @@ class PrivacyLedger:
     def _mechanism(self) -> dict[str, Any]:
         return {
             "accountant": self.accountant.config(),
-            **self.mechanism.state(),
+            **dataclasses.asdict(self.mechanism),
             "local_steps": self.local_steps,
             "delta": self.delta,
             "client_sizes": list(self.client_sizes),

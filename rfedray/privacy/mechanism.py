@@ -20,6 +20,7 @@ clipping decisions are never returned or stored.
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
@@ -29,7 +30,7 @@ from torch.func import grad, vmap
 
 from rfedray.geometry import ProductManifold
 from rfedray.privacy import checks
-from rfedray.privacy.randomness import SecureGenerator, check_seed, seeded_or_fresh
+from rfedray.privacy.randomness import KEY_BYTES, SecureGenerator, derive_key
 
 Params = dict[str, Tensor]
 LossFn = Callable[..., Tensor]
@@ -43,7 +44,7 @@ class PerSampleRule(Protocol):
     to average. Since the tangent projection is
     linear, ``sum_l s_l P g_l = P (sum_l s_l g_l)``, so a model whose gradients have structure (a
     rank-one ``g_l = -z_l z_l^T`` for federated PCA) can give both without materialising ``B``
-    gradients. :func:`private_gradient_with_noise` then equals the generic ``vmap(grad)`` path to
+    gradients. :func:`private_gradient` then equals the generic ``vmap(grad)`` path to
     rounding; a wrong norm would break the sensitivity bound, so every rule is tested against it
     (``tests/test_mechanism.py``).
 
@@ -166,9 +167,8 @@ def noise_generator(seed: Optional[int], device: str | torch.device = "cpu", con
     -------
     SecureGenerator
     """
-    if seed is not None:
-        check_seed(seed)
-    return seeded_or_fresh(seed, context, device)
+    key = secrets.token_bytes(KEY_BYTES) if seed is None else derive_key(seed, context)
+    return SecureGenerator(key, device)
 
 
 def sample_batch(num_records: int, batch_size: int, generator: SecureGenerator) -> Tensor:
@@ -262,65 +262,11 @@ def private_gradient(
     *,
     clip: float,
     sigma: float,
-    generator: SecureGenerator,
-    rule: Optional[PerSampleRule] = None,
-    shares: Optional[ClipShares] = None,
-) -> Params:
-    """The privatised tangent gradient of one step on a minibatch.
-
-    Parameters
-    ----------
-    loss_fn : callable
-        ``loss_fn(params, *record) -> scalar`` for one record (no batch dimension).
-    params : dict of Tensor
-        The current point ``theta``, ``{g: (*shape_g)}``.
-    product : ProductManifold
-        One factor per group of ``params``.
-    records : tuple of Tensor
-        The minibatch drawn by :func:`sample_batch`, each tensor of shape ``(B, ...)``.
-    clip : float
-        ``C`` > 0: bound on each record's joint tangent-gradient norm.
-    sigma : float
-        Absolute standard deviation > 0 of the ambient Gaussian noise added to every group (not a
-        multiplier of ``C``).
-    generator : SecureGenerator
-        Source of the noise (see :func:`noise_generator`); delivering on the device of ``params``.
-    rule : PerSampleRule or None
-        The model's closed-form per-record gradients (its ``gradient_rule``); ``None``: by
-        ``vmap(grad(loss_fn))``.
-    shares : ClipShares or None
-        Group-wise clipping, each group to its share of ``C`` (the same sensitivity); ``None``: joint
-        clipping at ``C``.
-
-    Returns
-    -------
-    dict of Tensor
-        ``{g: (*shape_g)}``, tangent at ``theta``.
-
-    Notes
-    -----
-    A record whose gradient is not finite contributes zero (a valid clipped value: it stays within
-    the ``2C/B`` sensitivity), so one degenerate record cannot turn the model into NaN.
-    """
-    return private_gradient_with_noise(
-        loss_fn, params, product, records, clip=clip, sigma=sigma, noise=standard_noise(product, params, generator),
-        rule=rule, shares=shares,
-    )
-
-
-def private_gradient_with_noise(
-    loss_fn: LossFn,
-    params: Params,
-    product: ProductManifold,
-    records: tuple[Tensor, ...],
-    *,
-    clip: float,
-    sigma: float,
     noise: Params,
     rule: Optional[PerSampleRule] = None,
     shares: Optional[ClipShares] = None,
 ) -> Params:
-    """:func:`private_gradient` with its standard noise already drawn (by :func:`standard_noise`).
+    """The privatised tangent gradient of one step on a minibatch.
 
     Per-sample gradients are measured and summed in each group's tangent coordinates
     (:meth:`~rfedray.geometry.Manifold.tangent_coordinates`, an isometric linear chart ``L`` of
@@ -339,23 +285,43 @@ def private_gradient_with_noise(
     With ``shares`` (:class:`ClipShares`) each group's coordinates are clipped on their own, to
     ``s_g C``: ``s_{l,g} = min(1, s_g C / ||c_{l,g}||)``.
 
-    Nothing here draws random numbers, so the function can be vmapped over clients whose noise was
-    drawn from their own generators.
+    Nothing here draws random numbers (the noise is drawn by :func:`standard_noise` from the
+    client's generator), so the function can be vmapped over clients.
 
     Parameters
     ----------
-    loss_fn, params, product, records, clip, sigma, shares
-        As in :func:`private_gradient`.
+    loss_fn : callable
+        ``loss_fn(params, *record) -> scalar`` for one record (no batch dimension).
+    params : dict of Tensor
+        The current point ``theta``, ``{g: (*shape_g)}``.
+    product : ProductManifold
+        One factor per group of ``params``.
+    records : tuple of Tensor
+        The minibatch drawn by :func:`sample_batch`, each tensor of shape ``(B, ...)``.
+    clip : float
+        ``C`` > 0: bound on each record's joint tangent-gradient norm.
+    sigma : float
+        Absolute standard deviation > 0 of the ambient Gaussian noise added to every group (not a
+        multiplier of ``C``).
     noise : dict of Tensor
         ``{g: (*shape_g)}``, standard Gaussian ambient noise (float64, :func:`standard_noise`; it is
         scaled by ``sigma`` before it is cast to the model's dtype).
     rule : PerSampleRule or None
-        The model's closed-form per-record gradients; ``None``: ``vmap(grad(loss_fn))``.
+        The model's closed-form per-record gradients (its ``gradient_rule``); ``None``: by
+        ``vmap(grad(loss_fn))``.
+    shares : ClipShares or None
+        Group-wise clipping, each group to its share of ``C`` (the same sensitivity); ``None``: joint
+        clipping at ``C``.
 
     Returns
     -------
     dict of Tensor
         ``{g: (*shape_g)}``, tangent at ``theta``.
+
+    Notes
+    -----
+    A record whose gradient is not finite contributes zero (a valid clipped value: it stays within
+    the ``2C/B`` sensitivity), so one degenerate record cannot turn the model into NaN.
     """
     clip = checks.positive("clip", clip)
     sigma = checks.positive("sigma", sigma)
@@ -399,7 +365,7 @@ def rule_gradient(
     batch_size: int,
     shares: Optional[ClipShares] = None,
 ) -> Params:
-    """:func:`private_gradient_with_noise` through a model's :class:`PerSampleRule`, over any
+    """:func:`private_gradient` through a model's :class:`PerSampleRule`, over any
     leading dimensions::
 
         s_l = min(1, C / ||P g_l||) (0 if not finite),   g = P ( sum_l (s_l / B) g_l + sigma xi ),

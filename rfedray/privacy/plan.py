@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Union
 
 from rfedray.privacy import checks
 from rfedray.privacy.accountants import ACCOUNTANTS, Accountant, GaussianStep, LaplaceAccountant, LaplaceStep
-from rfedray.privacy.ledger import Mechanism, NullLedger, PrivacyLedger
+from rfedray.privacy.ledger import NullLedger, PrivacyLedger
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,6 @@ class GaussianMechanism:
         """The step of a client holding ``records`` records (``mu = 2C / (B sigma)``, ``q = B / m``)."""
         return GaussianStep.clipped_mean(sigma=self.sigma, clip=self.clip, batch_size=self.batch_size, records=records)
 
-    def state(self) -> dict:
-        """The parameters a ledger's state records."""
-        return {"sigma": self.sigma, "clip": self.clip, "batch_size": self.batch_size}
-
 
 @dataclass(frozen=True)
 class LaplaceMechanism:
@@ -76,9 +72,6 @@ class LaplaceMechanism:
     def step(self, records: int) -> LaplaceStep:
         batch, records = checks.batch_within(self.batch_size, records)
         return LaplaceStep(self.ratio, batch / records)
-
-    def state(self) -> dict:
-        return {"ratio": self.ratio, "batch_size": self.batch_size}
 
 
 STEP_ACCOUNTANTS: dict[str, type[Accountant]] = {**ACCOUNTANTS, "laplace": LaplaceAccountant}
@@ -106,7 +99,7 @@ class PrivacyPlan:
         ``None``: noise from OS entropy. An integer makes the run reproducible, not for production.
     """
 
-    mechanism: Optional[Mechanism]
+    mechanism: Optional[Union[GaussianMechanism, LaplaceMechanism]]
     accountant: str = "exact"
     delta: float = 1e-5
     epsilon_target: Optional[float] = None
@@ -122,19 +115,11 @@ class PrivacyPlan:
         """The Gaussian noise's standard deviation (None without privacy or for a Laplace mechanism)."""
         return getattr(self.mechanism, "sigma", None)
 
-    @property
-    def clip(self) -> Optional[float]:
-        """The Gaussian mechanism's clip ``C`` (None without privacy or for a Laplace mechanism)."""
-        return getattr(self.mechanism, "clip", None)
-
-    def make_accountant(self) -> Accountant:
-        return STEP_ACCOUNTANTS[self.accountant]()
-
     def ledger(self, client_sizes: Sequence[int]) -> Union[PrivacyLedger, NullLedger]:
         """The ledger of the run: every client's budget, charged with this plan's mechanism."""
         if self.mechanism is None:
             return NullLedger()
         return PrivacyLedger(
-            self.make_accountant(), self.mechanism, local_steps=self.local_steps, delta=self.delta,
+            STEP_ACCOUNTANTS[self.accountant](), self.mechanism, local_steps=self.local_steps, delta=self.delta,
             epsilon_target=self.epsilon_target, client_sizes=client_sizes,
         )

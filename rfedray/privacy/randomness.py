@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import math
 import numbers
-import secrets
 import struct
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -96,16 +95,6 @@ class SecureGenerator:
         self._stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
         self.device = torch.device(device)
 
-    @classmethod
-    def from_entropy(cls, device: str | torch.device = "cpu") -> "SecureGenerator":
-        """A generator keyed by 256 bits of operating-system entropy (production)."""
-        return cls(secrets.token_bytes(KEY_BYTES), device)
-
-    @classmethod
-    def from_seed(cls, seed: int, context: Sequence[int] = (), device: str | torch.device = "cpu") -> "SecureGenerator":
-        """A reproducible generator: the key derived from ``seed`` and ``context`` (not for production)."""
-        return cls(derive_key(seed, context), device)
-
     def words(self, count: int) -> np.ndarray:
         """``count`` uniform 64-bit words, ``uint64`` array of shape ``(count,)``."""
         out = np.empty(count, dtype=np.uint64)
@@ -159,9 +148,3 @@ class SecureGenerator:
         out = torch.from_numpy(values).view(tuple(shape))
         return out if self.device.type == "cpu" else out.to(self.device)
 
-
-def seeded_or_fresh(seed: Optional[int], context: Sequence[int] = (), device: str | torch.device = "cpu") -> SecureGenerator:
-    """:meth:`SecureGenerator.from_seed` when ``seed`` is given, else :meth:`SecureGenerator.from_entropy`."""
-    if seed is None:
-        return SecureGenerator.from_entropy(device)
-    return SecureGenerator.from_seed(seed, context, device)
