@@ -88,7 +88,7 @@ class LocalExecutor:
                                                     self._declared[client_id])
         return self._clients[client_id]
 
-    def load(self, client_ids: Sequence[int]) -> None:
+    def load(self, client_ids: Sequence[int], log_name: str = "this process's log") -> None:
         """Load and check the records (training and test split) of every client of ``client_ids`` now,
         so that bad records stop the run before anything is charged.
 
@@ -97,7 +97,7 @@ class LocalExecutor:
         RfedrayError
             rfedray's own message (it names a record by its index, never by its values), or, for
             any other error, only its type: the data's own message may quote records, so it goes to
-            the log of the process hosting the client.
+            the log of the process hosting the client (``log_name`` says which).
         """
         for cid in client_ids:
             try:
@@ -107,7 +107,7 @@ class LocalExecutor:
             except Exception as exc:
                 log.exception("client %d: loading its records failed", cid)
                 raise RfedrayError(f"client {cid}: {type(exc).__name__} while loading its records (its message is "
-                                   "in this process's log)") from None
+                                   f"in {log_name})") from None
 
     def train(self, cohort, theta, round_index, states):
         results: dict[int, LocalResult | ClientFailure] = {}
