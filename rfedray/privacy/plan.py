@@ -115,6 +115,11 @@ class PrivacyPlan:
         """The Gaussian noise's standard deviation (None without privacy or for a Laplace mechanism)."""
         return getattr(self.mechanism, "sigma", None)
 
+    @property
+    def clip(self) -> Optional[float]:
+        """The Gaussian mechanism's clip ``C`` (None without privacy or for a Laplace mechanism)."""
+        return getattr(self.mechanism, "clip", None)
+
     def ledger(self, client_sizes: Sequence[int]) -> Union[PrivacyLedger, NullLedger]:
         """The ledger of the run: every client's budget, charged with this plan's mechanism."""
         if self.mechanism is None:
