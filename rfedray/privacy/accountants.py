@@ -34,7 +34,7 @@ import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import astuple, dataclass
-from typing import Callable, ClassVar, Optional, Union
+from typing import Callable, ClassVar, Union
 
 from rfedray.privacy import checks
 from rfedray.privacy.gdp import gdp_epsilon, gdp_mu
@@ -265,25 +265,20 @@ class CLTAccountant(Accountant):
 class PriRFedAccountant(Accountant):
     """PriRFed's round-level accounting: advanced composition of per-round guarantees.
 
-    Each round's ``tau``-step local solver is ``(eps_r, delta_r)``-DP, with ``eps_r`` given by
-    ``round_accountant`` (by default the exact account of the ``tau`` steps, i.e. the same step
-    mechanism and sampling), and the ``T`` rounds compose by the advanced composition theorem
+    Each round's ``tau``-step local solver is ``(eps_r, delta_r)``-DP, with ``eps_r`` the exact
+    account of the ``tau`` steps (the same step mechanism and sampling; ``ExactAccountant`` at
+    discretization 1e-5: one round's losses are small, so a finer grid than a whole transcript's
+    is needed, and cheap), and the ``T`` rounds compose by the advanced composition theorem
     (Dwork, Rothblum and Vadhan) with slack ``d_hat = delta / 2``:
 
         epsilon = sqrt(2 T ln(1 / d_hat)) eps_r + T eps_r (e^{eps_r} - 1),
         delta   = T delta_r + d_hat,   so   delta_r = delta / (2 T).
-
-    Parameters
-    ----------
-    round_accountant : Accountant or None
-        Accounts one round (``rounds=1``). Default: ``ExactAccountant(discretization=1e-5)``: one
-        round's losses are small, so a finer grid than a whole transcript's is needed (and cheap).
     """
 
     name = "prirfed"
 
-    def __init__(self, round_accountant: Optional[Accountant] = None):
-        self.round_accountant = round_accountant if round_accountant is not None else ExactAccountant(1e-5)
+    def __init__(self):
+        self.round_accountant = ExactAccountant(1e-5)
 
     @staticmethod
     def compose_rounds(round_epsilon: float, rounds: int, delta: float) -> float:

@@ -11,7 +11,6 @@ difference over the ten printed values, and :data:`PAPER_CLIP` records it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from rfedray.privacy.accountants import Accountant, ExactAccountant, PriRFedAccountant, calibrate_sigma
 
@@ -82,48 +81,39 @@ class Table10Row:
         return self.sigma_prirfed / self.sigma_ours
 
 
-def _calibrate(accountant: Accountant, epsilon: float, clip: float, setting: Table10Setting) -> float:
-    return calibrate_sigma(
-        accountant, epsilon=epsilon, delta=setting.delta, rounds=setting.rounds, local_steps=setting.local_steps,
-        batch_size=setting.batch_size, records=setting.records, clip=clip,
-    )
+def _calibrate(accountant: Accountant, epsilon: float, clip: float) -> float:
+    s = SETTING
+    return calibrate_sigma(accountant, epsilon=epsilon, delta=s.delta, rounds=s.rounds, local_steps=s.local_steps,
+                           batch_size=s.batch_size, records=s.records, clip=clip)
 
 
-def reproduce(
-    clip: float = PAPER_CLIP,
-    setting: Table10Setting = SETTING,
-    ours: Optional[Accountant] = None,
-    prirfed: Optional[Accountant] = None,
-) -> list[Table10Row]:
-    """Calibrate sigma for every epsilon of Table 10 with both accountings.
+def reproduce(clip: float = PAPER_CLIP) -> list[Table10Row]:
+    """Calibrate sigma for every epsilon of Table 10 with both accountings (:class:`ExactAccountant`
+    and :class:`PriRFedAccountant`).
 
     Parameters
     ----------
     clip : float
         ``C``.
-    setting : Table10Setting
-    ours, prirfed : Accountant or None
-        Defaults: ``ExactAccountant()`` and ``PriRFedAccountant()``.
 
     Returns
     -------
     list of Table10Row
         One row per epsilon of :data:`EPSILONS`.
     """
-    ours = ours if ours is not None else ExactAccountant()
-    prirfed = prirfed if prirfed is not None else PriRFedAccountant()
+    ours, prirfed = ExactAccountant(), PriRFedAccountant()
     return [
-        Table10Row(eps, _calibrate(ours, eps, clip, setting), paper_o, _calibrate(prirfed, eps, clip, setting), paper_p)
+        Table10Row(eps, _calibrate(ours, eps, clip), paper_o, _calibrate(prirfed, eps, clip), paper_p)
         for eps, paper_o, paper_p in zip(EPSILONS, SIGMA_OURS, SIGMA_PRIRFED)
     ]
 
 
-def fit_clip(setting: Table10Setting = SETTING) -> float:
+def fit_clip() -> float:
     """The clip minimising the largest relative difference over the ten sigmas of Table 10.
 
     With ``r_i = paper_i / sigma_i(C = 1)``, the relative differences are ``C / r_i - 1`` and the
     minimax choice is ``C = 2 / (1 / min r + 1 / max r)``.
     """
-    rows = reproduce(1.0, setting)
+    rows = reproduce(1.0)
     ratios = [r.paper_ours / r.sigma_ours for r in rows] + [r.paper_prirfed / r.sigma_prirfed for r in rows]
     return 2.0 / (1.0 / min(ratios) + 1.0 / max(ratios))

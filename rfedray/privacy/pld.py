@@ -162,20 +162,19 @@ class DiscretePLD:
                 self._spectra[size] = (spectrum, np.log(np.abs(spectrum)))
         return self._spectra[size]
 
-    def self_compose(self, count: int, tail_mass: float = TAIL_MASS) -> "DiscretePLD":
+    def self_compose(self, count: int) -> "DiscretePLD":
         """The PLD of ``count`` independent runs of this mechanism.
 
         Parameters
         ----------
         count : int
             Number of compositions, >= 0 (0 gives :meth:`identity`).
-        tail_mass : float
-            Mass the result may drop above its window (counted as infinite loss) and below it.
 
         Returns
         -------
         DiscretePLD
-            On the same grid, with ``infinity_mass = 1 - (1 - inf)^count + tail_mass``.
+            On the same grid, with ``infinity_mass = 1 - (1 - inf)^count + TAIL_MASS``: the result
+            drops :data:`TAIL_MASS` above its window (counted as infinite loss) and below it.
 
         Notes
         -----
@@ -188,7 +187,7 @@ class DiscretePLD:
             return DiscretePLD.identity(self.discretization)
         if count == 1:
             return self
-        lower, upper = self._window(count, tail_mass)
+        lower, upper = self._window(count, TAIL_MASS)
         width = upper - lower + 1
         _check_grid(width, self.discretization)
         size = _fft_size(max(width, self.probs.size))
@@ -202,7 +201,7 @@ class DiscretePLD:
         from scipy import fft
 
         composed = fft.irfft(spectrum, size)[:width]
-        infinity = -math.expm1(count * math.log1p(-self.infinity_mass)) + tail_mass
+        infinity = -math.expm1(count * math.log1p(-self.infinity_mass)) + TAIL_MASS
         return DiscretePLD(self.discretization, lower, np.clip(composed, 0.0, None), infinity)
 
     def delta(self, epsilon: float) -> float:
@@ -288,7 +287,7 @@ def _mirrored_remove_pair(grid: np.ndarray, h: float, survival_p: np.ndarray, su
 
 
 def subsampled_gaussian_pld(
-    mu: float, sampling_rate: float, discretization: float = 1e-4, step_tail_mass: float = STEP_TAIL_MASS
+    mu: float, sampling_rate: float, discretization: float = 1e-4
 ) -> DiscretePLD:
     """The symmetric PLD of ``C_q(G_mu)``: one Gaussian step under sampling without replacement.
 
@@ -299,9 +298,8 @@ def subsampled_gaussian_pld(
     sampling_rate : float
         ``q = B / m`` in (0, 1]; ``q = 1`` is the plain Gaussian mechanism ``G_mu``.
     discretization : float
-        Grid step ``h`` of the losses.
-    step_tail_mass : float
-        ``P`` mass beyond the largest kept loss, counted as infinite loss.
+        Grid step ``h`` of the losses; ``P`` keeps :data:`STEP_TAIL_MASS` beyond the largest loss of
+        the grid, counted as infinite loss.
 
     Returns
     -------
@@ -313,7 +311,7 @@ def subsampled_gaussian_pld(
     h = checks.positive("discretization", discretization)
     from scipy import special
 
-    x_max = mu - float(special.ndtri(step_tail_mass))
+    x_max = mu - float(special.ndtri(STEP_TAIL_MASS))
     top_loss = math.log(q) + mu * x_max - mu * mu / 2.0
     top_loss = top_loss + math.log1p((1.0 - q) * math.exp(-top_loss)) if q < 1.0 else top_loss
     cells = max(1, math.ceil(top_loss / h))
