@@ -20,7 +20,6 @@ clipping decisions are never returned or stored.
 from __future__ import annotations
 
 import math
-import secrets
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
@@ -30,7 +29,7 @@ from torch.func import grad, vmap
 
 from rfedray.geometry import ProductManifold
 from rfedray.privacy import checks
-from rfedray.privacy.randomness import KEY_BYTES, SecureGenerator, derive_key
+from rfedray.privacy.randomness import SecureGenerator, seeded_or_fresh
 
 Params = dict[str, Tensor]
 LossFn = Callable[..., Tensor]
@@ -167,8 +166,7 @@ def noise_generator(seed: Optional[int], device: str | torch.device = "cpu", con
     -------
     SecureGenerator
     """
-    key = secrets.token_bytes(KEY_BYTES) if seed is None else derive_key(seed, context)
-    return SecureGenerator(key, device)
+    return seeded_or_fresh(seed, context, device)
 
 
 def sample_batch(num_records: int, batch_size: int, generator: SecureGenerator) -> Tensor:

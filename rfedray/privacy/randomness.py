@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import secrets
 import struct
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -148,3 +149,9 @@ class SecureGenerator:
         out = torch.from_numpy(values).view(tuple(shape))
         return out if self.device.type == "cpu" else out.to(self.device)
 
+
+def seeded_or_fresh(seed: Optional[int], context: Sequence[int] = (), device: str | torch.device = "cpu") -> SecureGenerator:
+    """A generator keyed by :func:`derive_key` of ``seed`` and ``context`` when ``seed`` is given
+    (reproducible, not for production), else by 256 bits of operating-system entropy."""
+    key = secrets.token_bytes(KEY_BYTES) if seed is None else derive_key(seed, context)
+    return SecureGenerator(key, device)
