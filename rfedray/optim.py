@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 import torch
 from torch import Tensor
@@ -40,14 +40,13 @@ def _check_unit_interval(name: str, value: float) -> None:
 class LRSchedule(ABC):
     """A learning-rate multiplier as a function of the local step index."""
 
+    hyperparameters: ClassVar[tuple[str, ...]] = ()
+    """Its constructor's arguments, read by name from the optimiser's configuration section
+    (``total_steps``: the local steps the schedule spans; :func:`build_optimizer`)."""
+
     @abstractmethod
     def __call__(self, step_index: int) -> float:
         """The multiplier of the base learning rate at ``step_index`` (>= 0)."""
-
-    @classmethod
-    @abstractmethod
-    def from_config(cls, cfg: OptimizerConfig, total_steps: int) -> "LRSchedule":
-        """Build the schedule from an optimiser configuration."""
 
 
 class Constant(LRSchedule):
@@ -56,10 +55,6 @@ class Constant(LRSchedule):
     def __call__(self, step_index: int) -> float:
         _check_step_index(step_index)
         return 1.0
-
-    @classmethod
-    def from_config(cls, cfg: OptimizerConfig, total_steps: int) -> "Constant":
-        return cls()
 
 
 class StepDecay(LRSchedule):
@@ -73,6 +68,8 @@ class StepDecay(LRSchedule):
         Decay factor, in (0, 1].
     """
 
+    hyperparameters = ("step_size", "gamma")
+
     def __init__(self, step_size: int, gamma: float):
         if int(step_size) != step_size or step_size < 1:
             raise ValueError(f"step_size={step_size!r}: must be an integer >= 1")
@@ -83,10 +80,6 @@ class StepDecay(LRSchedule):
     def __call__(self, step_index: int) -> float:
         _check_step_index(step_index)
         return self.gamma ** (int(step_index) // self.step_size)
-
-    @classmethod
-    def from_config(cls, cfg: OptimizerConfig, total_steps: int) -> "StepDecay":
-        return cls(cfg.step_size, cfg.gamma)
 
 
 class Cosine(LRSchedule):
@@ -99,6 +92,8 @@ class Cosine(LRSchedule):
         Length of the decay, >= 1.
     """
 
+    hyperparameters = ("total_steps",)
+
     def __init__(self, total_steps: int):
         if int(total_steps) != total_steps or total_steps < 1:
             raise ValueError(f"total_steps={total_steps!r}: must be an integer >= 1")
@@ -107,10 +102,6 @@ class Cosine(LRSchedule):
     def __call__(self, step_index: int) -> float:
         _check_step_index(step_index)
         return 0.5 * (1.0 + math.cos(math.pi * min(int(step_index), self.total_steps) / self.total_steps))
-
-    @classmethod
-    def from_config(cls, cfg: OptimizerConfig, total_steps: int) -> "Cosine":
-        return cls(total_steps)
 
 
 class LocalOptimizer(ABC):
@@ -129,6 +120,10 @@ class LocalOptimizer(ABC):
         the usual L2 term; on the sphere, Stiefel and Grassmann manifolds ``P_x(x) = 0`` (points
         have constant norm), so it has no effect there.
     """
+
+    hyperparameters: ClassVar[tuple[str, ...]] = ()
+    """Its constructor's arguments besides the manifold, ``lr``, the schedule and ``weight_decay``,
+    read by name from its configuration section (:func:`build_optimizer`)."""
 
     def __init__(self, manifold: Manifold, lr: float, schedule: LRSchedule | None = None, weight_decay: float = 0.0):
         if not isinstance(manifold, Manifold):
@@ -166,11 +161,6 @@ class LocalOptimizer(ABC):
             Shape ``(*shape)``; the step is ``x <- Pi(x - u)``.
         state : dict of Tensor
         """
-
-    @classmethod
-    @abstractmethod
-    def from_config(cls, cfg: OptimizerConfig, manifold: Manifold, schedule: LRSchedule) -> "LocalOptimizer":
-        """Build the optimiser from a configuration section."""
 
     def step(self, x: Tensor, g: Tensor, step_index: int) -> Tensor:
         """One local step: the new point ``Pi(x - u)``.
@@ -215,10 +205,6 @@ class RSGD(LocalOptimizer):
     def update(self, x: Tensor, g: Tensor, state: State, lr: float) -> tuple[Tensor, State]:
         return lr * g, state
 
-    @classmethod
-    def from_config(cls, cfg: OptimizerConfig, manifold: Manifold, schedule: LRSchedule) -> "RSGD":
-        return cls(manifold, cfg.lr, schedule, weight_decay=cfg.weight_decay)
-
 
 class SGDMomentum(LocalOptimizer):
     """Heavy-ball momentum: ``b <- momentum P_x(b) + g``, ``u = lr b``.
@@ -233,6 +219,8 @@ class SGDMomentum(LocalOptimizer):
     momentum : float
         In [0, 1).
     """
+
+    hyperparameters = ("momentum",)
 
     def __init__(
         self,
@@ -250,10 +238,6 @@ class SGDMomentum(LocalOptimizer):
         buf = state.get("momentum_buffer")
         buf = g if buf is None else self.momentum * self.manifold.proj_tangent(x, buf) + g
         return lr * buf, {"momentum_buffer": buf}
-
-    @classmethod
-    def from_config(cls, cfg: OptimizerConfig, manifold: Manifold, schedule: LRSchedule) -> "SGDMomentum":
-        return cls(manifold, cfg.lr, schedule, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
 class Adam(LocalOptimizer):
@@ -273,6 +257,8 @@ class Adam(LocalOptimizer):
     eps : float
         > 0.
     """
+
+    hyperparameters = ("beta1", "beta2", "eps")
 
     def __init__(
         self,
@@ -301,12 +287,6 @@ class Adam(LocalOptimizer):
         u = lr * self.manifold.proj_tangent(x, m_hat / (v_hat.sqrt() + self.eps))
         return u, {"exp_avg": m, "exp_avg_sq": v, "step": t}
 
-    @classmethod
-    def from_config(cls, cfg: OptimizerConfig, manifold: Manifold, schedule: LRSchedule) -> "Adam":
-        return cls(
-            manifold, cfg.lr, schedule, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
-
 
 OPTIMIZERS: dict[str, type[LocalOptimizer]] = {"rsgd": RSGD, "sgd": SGDMomentum, "adam": Adam}
 SCHEDULES: dict[str, type[LRSchedule]] = {"constant": Constant, "step": StepDecay, "cosine": Cosine}
@@ -330,5 +310,10 @@ def build_optimizer(cfg: OptimizerConfig, manifold: Manifold, total_steps: int) 
         raise ValueError(f"schedule={cfg.schedule!r}: must be one of {', '.join(SCHEDULES)}")
     if int(total_steps) != total_steps or total_steps < 1:
         raise ValueError(f"total_steps={total_steps!r}: must be an integer >= 1")
-    schedule = SCHEDULES[cfg.schedule].from_config(cfg, int(total_steps))
-    return OPTIMIZERS[cfg.name].from_config(cfg, manifold, schedule)
+    def options(kind: type) -> dict[str, Any]:
+        """``kind``'s hyperparameters from ``cfg`` (the schedule's ``total_steps``: the argument)."""
+        return {k: int(total_steps) if k == "total_steps" else getattr(cfg, k) for k in kind.hyperparameters}
+
+    schedule_class, optimizer_class = SCHEDULES[cfg.schedule], OPTIMIZERS[cfg.name]
+    schedule = schedule_class(**options(schedule_class))
+    return optimizer_class(manifold, cfg.lr, schedule, weight_decay=cfg.weight_decay, **options(optimizer_class))
