@@ -213,13 +213,7 @@ class ExactAccountant(PLDAccountant):
 
 class LaplaceAccountant(PLDAccountant):
     """Exact (discretised) composition of subsampled Laplace steps (:class:`LaplaceStep`), the
-    accountant of DDP-SA.
-
-    Parameters
-    ----------
-    discretization : float
-        Grid step of the losses, > 0 (pessimistic; the error on epsilon is of second order in it).
-    """
+    accountant of DDP-SA (its ``discretization`` as :class:`PLDAccountant`'s)."""
 
     name = "laplace"
     step_type = LaplaceStep
