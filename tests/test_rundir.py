@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from rfedray.federated.rundir import RunDirectory
+from rfedray.federated.storage import LocalStore
 
 from small_job import SMALL_JOB
 
@@ -323,10 +324,30 @@ def test_a_read_only_run_directory_is_one_error_line_and_resumes(tmp_path):
     assert run.returncode == 1
     line = error_line(subprocess.CompletedProcess(run.args, run.returncode, out, err))
     assert "Read-only file system" in line and f"--resume {run_dir}" in line
-    assert not [p.name for p in run_dir.iterdir() if p.name.endswith(".tmp")]
+    # At most the one write in flight when the folder turned read-only leaves its temporary file
+    # (it cannot be removed there); the resume's lock holder removes it.
+    assert len(temporaries(run_dir)) <= 1
     assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["ledger"]["charges"] <= charges(run_dir)
     done = cli("run", "--resume", str(run_dir), "federation.local_steps=300", "--quiet")
     assert done.returncode == 0, done.stderr
+    assert not temporaries(run_dir)
+
+
+def temporaries(run_dir: Path) -> list[str]:
+    return [p.name for p in run_dir.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_the_next_lock_holder_removes_what_an_interrupted_write_left(tmp_path):
+    """Taking the lock writes nothing; announcing (about to write) removes left temporaries only."""
+    leftover = tmp_path / ".budget.json.0a1b2c3d.tmp"
+    leftover.write_bytes(b'{"charges": ')
+    (tmp_path / "budget.json").write_bytes(b"{}")
+    with LocalStore(tmp_path).lock() as lock:
+        assert leftover.exists()
+        lock.announce("run")
+        assert not leftover.exists()
+    assert (tmp_path / "budget.json").read_bytes() == b"{}"
+    assert not temporaries(tmp_path)
 
 
 # ----- signals and the Ray processes --------------------------------------------------------

@@ -21,6 +21,7 @@ the Ray server actor.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -38,6 +39,7 @@ from rfedray.errors import RfedrayError
 
 OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 LOCK = ".lock"
+TEMPORARY = ".tmp"  # the suffix of atomic_write_bytes' temporary files
 RESERVE = ".reserve"
 LEASE_S = 60.0
 """An object-storage lock whose heartbeat is older than this is stale (its holder died)."""
@@ -170,10 +172,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     Raises
     ------
     OSError
-        When a step fails; the temporary file is removed and ``path`` keeps its previous bytes.
+        When a step fails; ``path`` keeps its previous bytes and the temporary file is removed
+        where the folder still allows it (a folder that turned read-only keeps it until the
+        next lock holder's :func:`remove_temporaries`).
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TEMPORARY}")
     try:
         with open(tmp, "wb") as fh:
             fh.write(data)
@@ -182,8 +186,15 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the write's own error is the one to report
+            tmp.unlink(missing_ok=True)
         raise
+
+
+def remove_temporaries(folder: Path) -> None:
+    """Remove what interrupted :func:`atomic_write_bytes` calls left in ``folder`` (never read)."""
+    for leftover in Path(folder).glob(f".*{TEMPORARY}"):
+        leftover.unlink(missing_ok=True)
 
 
 def _flock_holder_pid(path: Path) -> Optional[int]:
@@ -258,6 +269,7 @@ class LocalLock(RunLock):
         return info
 
     def announce(self, command: str) -> str:
+        remove_temporaries(self.store.root)  # the lock is held: no other writer's file is in flight
         self.token = secrets.token_hex(8)
         self.store.write_atomic(LOCK, (json.dumps(_holder_record(command, self.token), sort_keys=True) + "\n").encode())
         return self.token
