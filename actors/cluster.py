@@ -335,6 +335,9 @@ class ClusterWait:
         if not self.bundle:  # actors that ask for no resource: any node hosts them
             return (f"waiting for {missing} of {self.count} client actors to start: "
                     f"{len(shape.live)} node(s) up{starting} {waited}")
+        if sum(bundles_on(n, self.bundle) for n in shape.live) >= self.count:  # placed: importing, building data
+            return (f"waiting for {missing} of {self.count} client actors to start: the {len(shape.live)} node(s) up "
+                    f"hold their bundles {describe_bundle(self.bundle)} {waited}")
         kind = "GPU" if "GPU" in self.bundle else "CPU"
         return (f"waiting for {missing} of {self.count} client actors' {kind} bundles {describe_bundle(self.bundle)}: "
                 f"{sum(bundles_on(n, self.bundle) > 0 for n in shape.live)} node(s) for them up{starting} {waited}")

@@ -139,6 +139,9 @@ def test_the_progress_line_names_the_bundles_or_says_the_actors_ask_for_none():
     gpu = cluster.ClusterWait(cfg("ray.num_gpus_per_actor=0.5", "ray.actor_start_timeout_s=60"), 4, fixed)
     assert gpu.progress(3) == ("waiting for 3 of 4 client actors' GPU bundles {CPU: 1, GPU: 0.5}: 1 node(s) for "
                                "them up (0 s of ray.actor_start_timeout_s=60)")
+    fits = cluster.ClusterWait(cfg("ray.num_cpus_per_actor=1", "ray.actor_start_timeout_s=60"), 4, fixed)
+    assert fits.progress(4) == ("waiting for 4 of 4 client actors to start: the 2 node(s) up hold their bundles "
+                                "{CPU: 1} (0 s of ray.actor_start_timeout_s=60)")
     free = cluster.ClusterWait(cfg("ray.num_cpus_per_actor=0", "ray.actor_start_timeout_s=60"), 2, fixed)
     assert free.progress(2) == ("waiting for 2 of 2 client actors to start: 2 node(s) up "
                                 "(0 s of ray.actor_start_timeout_s=60)")
