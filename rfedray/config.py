@@ -13,7 +13,6 @@ the options dataclass that the chosen model or data source registers (see
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -25,7 +24,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rfedray.errors import ConfigError
-from rfedray.options import closest
+from rfedray.options import NON_NEGATIVE, POSITIVE, POSITIVE_INT, Rule, check_fields, closest, one_of, ranged
+from rfedray.privacy.randomness import SEED_BITS
 
 ENGINES = ("ray", "local")
 TEST_SETS = ("clients", "server")
@@ -46,29 +46,36 @@ MAX_CLIENTS = 100_000
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
+UNIT = Rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
+NOISE_SEED = Rule(lambda v: 0 <= v < 1 << SEED_BITS, f"must be null (OS entropy) or an integer in [0, 2^{SEED_BITS})")
+"""A noise seed is null (OS entropy) or an integer in ``[0, 2^128)`` (:mod:`rfedray.privacy.randomness`)."""
+
+
 @dataclass
 class RunConfig:
     """What to run and where its artifacts go."""
 
-    name: str = "fedpca"
-    seed: int = 0
-    rounds: int = 50
-    output_dir: str = "runs"
-    engine: str = "ray"
-    checkpoint_every: int = 10
-    evaluate_every: int = 1
-    test_set: str = "clients"  # clients: each on its own test split, the server sees a secure sum; server: its eval_data()
-    threads: Optional[int] = None  # torch/BLAS threads of a process that trains; None: from the work (rfedray.threads)
+    name: str = ranged("fedpca", Rule(lambda v: isinstance(v, str) and bool(RUN_NAME.match(v)),
+                                      "must be a plain name of letters, digits, '.', '_' or '-' (at most 100, not starting "
+                                      "with '.' or '-'); it names the run's directory inside run.output_dir"))
+    seed: int = ranged(0, Rule(lambda v: 0 <= v <= MAX_SEED, f"must be an integer in [0, {MAX_SEED}]"))
+    rounds: int = ranged(50, POSITIVE_INT)
+    output_dir: str = ranged("runs", Rule(bool, "must be a non-empty path"))
+    engine: str = ranged("ray", one_of(ENGINES))
+    checkpoint_every: int = ranged(10, POSITIVE_INT)
+    evaluate_every: int = ranged(1, POSITIVE_INT)
+    test_set: str = ranged("clients", one_of(TEST_SETS))  # clients: each on its own test split, the server sees a secure sum; server: its eval_data()
+    threads: Optional[int] = ranged(None, POSITIVE_INT)  # torch/BLAS threads of a process that trains; None: from the work (rfedray.threads)
 
 
 @dataclass
 class FederationConfig:
     """Population, cohort and local work: n clients, k per round, tau steps of B records."""
 
-    n_clients: int = 10
-    clients_per_round: int = 5
-    local_steps: int = 10
-    batch_size: int = 100
+    n_clients: int = ranged(10, POSITIVE_INT)
+    clients_per_round: int = ranged(5, POSITIVE_INT)
+    local_steps: int = ranged(10, POSITIVE_INT)
+    batch_size: int = ranged(100, POSITIVE_INT)
 
 
 @dataclass
@@ -76,13 +83,13 @@ class PrivacyConfig:
     """Record-level DP: clip C, noise std sigma (absolute) or calibration to (epsilon, delta)."""
 
     enabled: bool = True
-    epsilon: Optional[float] = 1.0
-    delta: float = 1e-5
-    clip: float = 0.3548
+    epsilon: Optional[float] = ranged(1.0, POSITIVE)
+    delta: float = ranged(1e-5, Rule(lambda v: 0.0 < v < 1.0, "must be in the open interval (0, 1)"))
+    clip: float = ranged(0.3548, POSITIVE)
     clip_shares: Optional[Dict[str, float]] = None  # {group: s_g}, sum s_g^2 = 1: group g clipped to s_g C; null: joint
-    sigma: Optional[float] = None
-    accountant: str = "exact"
-    noise_seed: Optional[int] = None
+    sigma: Optional[float] = ranged(None, POSITIVE)
+    accountant: str = ranged("exact", one_of(ACCOUNTANTS))
+    noise_seed: Optional[int] = ranged(None, NOISE_SEED)
     halt_at_target: bool = True
 
 
@@ -106,25 +113,25 @@ class DataConfig:
 class AggregationConfig:
     """Server-side combination of the cohort's submissions."""
 
-    scheme: str = "projavg"
-    weighting: str = "uniform"
-    retraction: str = "polar"
+    scheme: str = ranged("projavg", one_of(SCHEMES))
+    weighting: str = ranged("uniform", one_of(WEIGHTINGS))
+    retraction: str = ranged("polar", one_of(RETRACTIONS))
 
 
 @dataclass
 class OptimizerConfig:
     """A local optimiser for one parameter group, with its learning-rate schedule."""
 
-    name: str = "rsgd"
-    lr: float = 0.5
-    momentum: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    schedule: str = "constant"
-    step_size: int = 100
-    gamma: float = 0.5
+    name: str = ranged("rsgd", one_of(OPTIMIZERS))
+    lr: float = ranged(0.5, POSITIVE)
+    momentum: float = ranged(0.0, UNIT)
+    beta1: float = ranged(0.9, UNIT)
+    beta2: float = ranged(0.999, UNIT)
+    eps: float = ranged(1e-8, POSITIVE)
+    weight_decay: float = ranged(0.0, NON_NEGATIVE)
+    schedule: str = ranged("constant", one_of(SCHEDULES))
+    step_size: int = ranged(100, POSITIVE_INT)
+    gamma: float = ranged(0.5, Rule(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"))
 
 
 @dataclass
@@ -132,24 +139,24 @@ class RayConfig:
     """How the Ray engine places client actors."""
 
     address: Optional[str] = None
-    num_client_actors: Optional[int] = None
-    clients_per_actor: int = 0
-    num_cpus_per_actor: float = 1.0
-    num_gpus_per_actor: float = 0.0
-    placement: str = "SPREAD"
-    round_timeout_s: float = 300.0
-    actor_start_timeout_s: float = 1200.0
-    max_restarts: int = 3
-    device: str = "auto"
+    num_client_actors: Optional[int] = ranged(None, POSITIVE_INT)
+    clients_per_actor: int = ranged(0, Rule(lambda v: v >= 0, "must be >= 0 (0 spreads clients evenly over the actors)"))
+    num_cpus_per_actor: float = ranged(1.0, NON_NEGATIVE)
+    num_gpus_per_actor: float = ranged(0.0, Rule(lambda v: v >= 0, "must be >= 0 (fractions pack actors on a GPU)"))
+    placement: str = ranged("SPREAD", one_of(PLACEMENTS))
+    round_timeout_s: float = ranged(300.0, POSITIVE)
+    actor_start_timeout_s: float = ranged(1200.0, POSITIVE)
+    max_restarts: int = ranged(3, Rule(lambda v: v >= -1, "must be >= -1 (-1 restarts forever)"))
+    device: str = ranged("auto", one_of(DEVICES))
 
 
 @dataclass
 class MonitoringConfig:
     """Prometheus endpoint and console progress."""
 
-    metrics_port: Optional[int] = None
+    metrics_port: Optional[int] = ranged(None, Rule(lambda v: 0 <= v <= 65535, "must be null (off) or a port in [0, 65535]"))
     metrics_host: str = "127.0.0.1"
-    linger_seconds: float = 0.0
+    linger_seconds: float = ranged(0.0, Rule(lambda v: 0.0 <= v <= 3600.0, "must be in [0, 3600]"))
     progress: bool = True
     export_oracle_metrics: bool = False  # oracle metrics (of the training records) on the progress line and Prometheus
 
@@ -361,65 +368,29 @@ def to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def choice(fieldname: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(fieldname, value, "must be one of " + ", ".join(allowed) + closest(str(value), list(allowed)).replace("did you mean", "closest"))
-
-
-def at_least(fieldname: str, value: int, low: int) -> None:
-    ConfigError.check(value >= low, fieldname, value, f"must be an integer >= {low}")
-
-
-def positive_int(fieldname: str, value: int) -> None:
-    at_least(fieldname, value, 1)
-
-
-def positive(fieldname: str, value: float) -> None:
-    ConfigError.check(value > 0 and math.isfinite(value), fieldname, value, "must be a finite number > 0")
-
-
-def check_noise_seed(fieldname: str, seed: Optional[int]) -> None:
-    """A noise seed is null (OS entropy) or an integer in ``[0, 2^128)`` (:mod:`rfedray.privacy.randomness`)."""
-    from rfedray.privacy.randomness import SEED_BITS
-
-    if seed is not None and not 0 <= seed < 1 << SEED_BITS:
-        raise ConfigError(fieldname, seed, f"must be null (OS entropy) or an integer in [0, 2^{SEED_BITS})")
+def check_sections(cfg: Any) -> None:
+    """:func:`rfedray.options.check_fields` of every section of ``cfg`` (a dataclass of sections)."""
+    for f in fields(cfg):
+        section = getattr(cfg, f.name)
+        if is_dataclass(section):
+            check_fields(section, f.name, ConfigError)
 
 
 def validate(cfg: Config) -> None:
-    """Check every field and the cross-field rules; raise :class:`ConfigError` on the first problem."""
-    r, fed, p, agg = cfg.run, cfg.federation, cfg.privacy, cfg.aggregation
-    choice("run.engine", r.engine, ENGINES)
-    positive_int("run.rounds", r.rounds)
-    positive_int("run.checkpoint_every", r.checkpoint_every)
-    positive_int("run.evaluate_every", r.evaluate_every)
-    choice("run.test_set", r.test_set, TEST_SETS)
-    if r.threads is not None:
-        positive_int("run.threads", r.threads)
-    ConfigError.check(0 <= r.seed <= MAX_SEED, "run.seed", r.seed, f"must be an integer in [0, {MAX_SEED}]")
-    if not isinstance(r.name, str) or not RUN_NAME.match(r.name):
-        raise ConfigError("run.name", r.name, "must be a plain name of letters, digits, '.', '_' or '-' (at most 100, "
-                          "not starting with '.' or '-'); it names the run's directory inside run.output_dir")
-    ConfigError.check(r.output_dir, "run.output_dir", r.output_dir, "must be a non-empty path")
-
-    positive_int("federation.n_clients", fed.n_clients)
-    ConfigError.check(fed.n_clients <= MAX_CLIENTS, "federation.n_clients", fed.n_clients,
-                      f"must be at most {MAX_CLIENTS} (every round rewrites each client's budget in budget.json)")
-    positive_int("federation.clients_per_round", fed.clients_per_round)
-    ConfigError.check(fed.clients_per_round <= fed.n_clients, "federation.clients_per_round", fed.clients_per_round,
-                      f"must be between 1 and federation.n_clients ({fed.n_clients})")
-    positive_int("federation.local_steps", fed.local_steps)
-    positive_int("federation.batch_size", fed.batch_size)
-
+    """Check every field (its declared :class:`~rfedray.options.Rule`) and the cross-field rules;
+    raise :class:`ConfigError` on the first problem."""
+    fed, p = cfg.federation, cfg.privacy
     if p.accountant in APPROXIMATE_ACCOUNTANTS:
         raise ConfigError(
             "privacy.accountant", p.accountant,
             f"must be one of {', '.join(ACCOUNTANTS)}: {p.accountant} is an approximation, not an upper bound on epsilon, "
             "so it cannot calibrate, charge or halt a run (read budgets with it: rfedray privacy epsilon --accountant clt)",
         )
-    choice("privacy.accountant", p.accountant, ACCOUNTANTS)
-    ConfigError.check(0.0 < p.delta < 1.0, "privacy.delta", p.delta, "must be in the open interval (0, 1)")
-    positive("privacy.clip", p.clip)
+    check_sections(cfg)
+    ConfigError.check(fed.n_clients <= MAX_CLIENTS, "federation.n_clients", fed.n_clients,
+                      f"must be at most {MAX_CLIENTS} (every round rewrites each client's budget in budget.json)")
+    ConfigError.check(fed.clients_per_round <= fed.n_clients, "federation.clients_per_round", fed.clients_per_round,
+                      f"must be between 1 and federation.n_clients ({fed.n_clients})")
     if p.clip_shares is not None:
         from rfedray.privacy.checks import PrivacyParameterError
         from rfedray.privacy.mechanism import ClipShares
@@ -428,51 +399,12 @@ def validate(cfg: Config) -> None:
             ClipShares.of(p.clip_shares)
         except PrivacyParameterError as exc:
             raise ConfigError(f"privacy.{exc.name}", exc.value, exc.allowed) from None
-    if p.epsilon is not None:
-        positive("privacy.epsilon", p.epsilon)
-    if p.sigma is not None:
-        positive("privacy.sigma", p.sigma)
     if p.enabled and p.epsilon is None and p.sigma is None:
         raise ConfigError("privacy.epsilon", None, "give a target epsilon (sigma is then calibrated) or a sigma")
-    check_noise_seed("privacy.noise_seed", p.noise_seed)
-
-    choice("aggregation.scheme", agg.scheme, SCHEMES)
-    choice("aggregation.weighting", agg.weighting, WEIGHTINGS)
-    choice("aggregation.retraction", agg.retraction, RETRACTIONS)
 
     ConfigError.check(cfg.optim, "optim", {}, "needs at least a 'default' optimiser")
     for group, opt in cfg.optim.items():
-        base = f"optim.{group}"
-        choice(f"{base}.name", opt.name, OPTIMIZERS)
-        positive(f"{base}.lr", opt.lr)
-        ConfigError.check(0.0 <= opt.momentum < 1.0, f"{base}.momentum", opt.momentum, "must be in [0, 1)")
-        for b in ("beta1", "beta2"):
-            ConfigError.check(0.0 <= getattr(opt, b) < 1.0, f"{base}.{b}", getattr(opt, b), "must be in [0, 1)")
-        positive(f"{base}.eps", opt.eps)
-        ConfigError.check(opt.weight_decay >= 0, f"{base}.weight_decay", opt.weight_decay, "must be >= 0")
-        choice(f"{base}.schedule", opt.schedule, SCHEDULES)
-        positive_int(f"{base}.step_size", opt.step_size)
-        ConfigError.check(0.0 < opt.gamma <= 1.0, f"{base}.gamma", opt.gamma, "must be in (0, 1]")
-
-    ray = cfg.ray
-    if ray.num_client_actors is not None:
-        positive_int("ray.num_client_actors", ray.num_client_actors)
-    if ray.clients_per_actor < 0:
-        raise ConfigError("ray.clients_per_actor", ray.clients_per_actor, "must be >= 0 (0 spreads clients evenly over the actors)")
-    ConfigError.check(ray.num_cpus_per_actor >= 0, "ray.num_cpus_per_actor", ray.num_cpus_per_actor, "must be >= 0")
-    if ray.num_gpus_per_actor < 0:
-        raise ConfigError("ray.num_gpus_per_actor", ray.num_gpus_per_actor, "must be >= 0 (fractions pack actors on a GPU)")
-    choice("ray.placement", ray.placement, PLACEMENTS)
-    positive("ray.round_timeout_s", ray.round_timeout_s)
-    positive("ray.actor_start_timeout_s", ray.actor_start_timeout_s)
-    ConfigError.check(ray.max_restarts >= -1, "ray.max_restarts", ray.max_restarts, "must be >= -1 (-1 restarts forever)")
-    choice("ray.device", ray.device, DEVICES)
-
-    mon = cfg.monitoring
-    if mon.metrics_port is not None and not (0 <= mon.metrics_port <= 65535):
-        raise ConfigError("monitoring.metrics_port", mon.metrics_port, "must be null (off) or a port in [0, 65535]")
-    if not (0.0 <= mon.linger_seconds <= 3600.0):
-        raise ConfigError("monitoring.linger_seconds", mon.linger_seconds, "must be in [0, 3600]")
+        check_fields(opt, f"optim.{group}", ConfigError)
 
     # Model and data options are validated by their registered schemas.
     from rfedray import registry

@@ -5,13 +5,19 @@ A model or data module declares an ``Options`` dataclass (the schema of ``model.
 :func:`resolve` turns a plain mapping into an ``Options`` instance (unknown keys refused with the
 closest valid one, types checked by OmegaConf, required ones present, then the dataclass's own
 ``validate(prefix)``), and every problem is an :class:`OptionsError` naming the option, so the CLI prints one line.
+
+A field declares its allowed values where it is declared: ``d: int = ranged(40, at_least(2))``.
+:func:`check_fields` checks every such field of a dataclass (the run configuration's sections and
+the options alike), so a schema is a table of names, types, defaults and ranges, and its
+``validate`` only adds the rules that relate two fields.
 """
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import fields
-from typing import Any, Mapping
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping, Type
 
 import torch
 from omegaconf import OmegaConf
@@ -31,6 +37,51 @@ def closest(key: str, candidates: list[str]) -> str:
     """`` (did you mean 'x'?)`` for the candidate closest to ``key``, or ``""``."""
     match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
     return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The allowed values of one field: ``ok(value)`` decides, ``allowed`` says what they are."""
+
+    ok: Callable[[Any], bool]
+    allowed: str
+    names: tuple = ()  # the allowed names, to suggest the closest one
+
+    def check(self, name: str, value: Any, error: Type[ConfigError] = OptionsError) -> None:
+        """Raise ``error(name, value, allowed)`` (with the closest allowed name, where the values are
+        names) unless ``value`` is allowed; null is left to the type (OmegaConf refuses it unless
+        the field is ``Optional``)."""
+        if value is not None and not self.ok(value):
+            raise error(name, value, self.allowed + closest(str(value), list(self.names)).replace("did you mean", "closest"))
+
+
+def at_least(low: int, note: str = "") -> Rule:
+    """An integer ``>= low``; ``note`` explains the bound in the error."""
+    return Rule(lambda v: v >= low, f"must be an integer >= {low}{note}")
+
+
+def one_of(allowed) -> Rule:
+    """One of the names ``allowed`` (a tuple, or a dict's keys)."""
+    return Rule(lambda v: v in allowed, "must be one of " + ", ".join(allowed), tuple(allowed))
+
+
+POSITIVE_INT = at_least(1)
+POSITIVE = Rule(lambda v: v > 0 and math.isfinite(v), "must be a finite number > 0")
+NON_NEGATIVE = Rule(lambda v: v >= 0, "must be >= 0")
+OPEN_UNIT = Rule(lambda v: 0 < v < 1, "must be in (0, 1)")
+
+
+def ranged(default: Any, rule: Rule) -> Any:
+    """A dataclass field with a default whose values must satisfy ``rule``."""
+    return field(default=default, metadata={"rule": rule})
+
+
+def check_fields(obj: Any, prefix: str, error: Type[ConfigError] = OptionsError) -> None:
+    """Raise ``error("prefix.name", value, rule.allowed)`` for the first field of the dataclass
+    ``obj`` whose value breaks the :class:`Rule` it was declared with (:func:`ranged`)."""
+    for f in fields(obj):
+        if "rule" in f.metadata:
+            f.metadata["rule"].check(f"{prefix}.{f.name}", getattr(obj, f.name), error)
 
 
 def resolve(schema: type, options: Mapping[str, Any], prefix: str) -> Any:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-from rfedray.config import ENGINES, at_least, check_noise_seed, choice, positive, positive_int, read_layers, structured
+from rfedray.config import ENGINES, NOISE_SEED, check_sections, read_layers, structured
+from rfedray.options import OPEN_UNIT, POSITIVE, POSITIVE_INT, Rule, at_least, one_of, ranged
 from rfedray import registry
 from rfedray.errors import ConfigError
 
@@ -25,28 +26,28 @@ CLIPPINGS = ("static", "median", "private_quantile")
 @dataclass
 class RunSection:
     name: str = "mestimation"
-    seed: int = 0
-    rounds: int = 30
-    engine: str = "local"
-    num_hosts: int = 2
+    seed: int = ranged(0, at_least(0))
+    rounds: int = ranged(30, POSITIVE_INT)
+    engine: str = ranged("local", one_of(ENGINES))
+    num_hosts: int = ranged(2, POSITIVE_INT)
     output_dir: str = "runs"
 
 
 @dataclass
 class FederationSection:
-    n_clients: int = 5
-    clients_per_round: int = 5
-    batch_size: int = 64
+    n_clients: int = ranged(5, POSITIVE_INT)
+    clients_per_round: int = ranged(5, POSITIVE_INT)
+    batch_size: int = ranged(64, POSITIVE_INT)
 
 
 @dataclass
 class PrivacySection:
     enabled: bool = True
-    epsilon: Optional[float] = 4.0
-    delta: float = 1e-5
-    clip: float = 1.0
-    noise_multiplier: Optional[float] = None
-    noise_seed: Optional[int] = None
+    epsilon: Optional[float] = ranged(4.0, POSITIVE)
+    delta: float = ranged(1e-5, OPEN_UNIT)
+    clip: float = ranged(1.0, POSITIVE)
+    noise_multiplier: Optional[float] = ranged(None, POSITIVE)
+    noise_seed: Optional[int] = ranged(None, NOISE_SEED)
 
 
 @dataclass
@@ -57,15 +58,15 @@ class ComponentSection:
 
 @dataclass
 class StrategySection:
-    name: str = "fedsgd"
-    lr: float = 1.0
-    local_steps: int = 10
-    local_lr: float = 1.0
-    switch_round: int = 10
-    newton_steps: int = 1
-    hessian_clip: float = 1.0
-    damping: float = 1.0
-    floor: float = 0.01
+    name: str = ranged("fedsgd", one_of(STRATEGIES))
+    lr: float = ranged(1.0, POSITIVE)
+    local_steps: int = ranged(10, POSITIVE_INT)
+    local_lr: float = ranged(1.0, POSITIVE)
+    switch_round: int = ranged(10, POSITIVE_INT)
+    newton_steps: int = ranged(1, POSITIVE_INT)
+    hessian_clip: float = ranged(1.0, POSITIVE)
+    damping: float = ranged(1.0, Rule(lambda v: 0 < v <= 1, "must be in (0, 1]"))
+    floor: float = ranged(0.01, POSITIVE)
 
 
 @dataclass
@@ -80,17 +81,17 @@ class MEstimationConfig:
 
 @dataclass
 class DDPSASection:
-    clipping: str = "private_quantile"  # the covered adaptive variant; "median" is not covered by the guarantee
-    clip: float = 1.0
-    lr: float = 1.0
-    target_quantile: float = 0.5
-    quantile_lr: float = 0.2
-    budget_share: float = 0.1
-    aggregators: int = 3
-    frac_bits: int = 24
-    min_clients: int = 2
-    patience: int = 30
-    min_delta: float = 1e-3
+    clipping: str = ranged("private_quantile", one_of(CLIPPINGS))  # the covered adaptive variant; "median" is not covered by the guarantee
+    clip: float = ranged(1.0, POSITIVE)
+    lr: float = ranged(1.0, POSITIVE)
+    target_quantile: float = ranged(0.5, OPEN_UNIT)
+    quantile_lr: float = ranged(0.2, POSITIVE)
+    budget_share: float = ranged(0.1, OPEN_UNIT)
+    aggregators: int = ranged(3, at_least(2))
+    frac_bits: int = ranged(24, Rule(lambda v: 0 <= v <= 40, "must be in [0, 40]"))
+    min_clients: int = ranged(2, at_least(2))
+    patience: int = ranged(30, POSITIVE_INT)
+    min_delta: float = ranged(1e-3, POSITIVE)
 
 
 @dataclass
@@ -103,54 +104,21 @@ class DDPSAConfig:
     ddpsa: DDPSASection = field(default_factory=DDPSASection)
 
 
-def _validate_common(cfg) -> None:
-    r, f, p = cfg.run, cfg.federation, cfg.privacy
-    choice("run.engine", r.engine, ENGINES)
-    positive_int("run.rounds", r.rounds)
-    positive_int("run.num_hosts", r.num_hosts)
-    at_least("run.seed", r.seed, 0)
-    positive_int("federation.n_clients", f.n_clients)
-    if not 1 <= f.clients_per_round <= f.n_clients:
-        raise ConfigError("federation.clients_per_round", f.clients_per_round, f"must be between 1 and federation.n_clients ({f.n_clients})")
-    positive_int("federation.batch_size", f.batch_size)
-    ConfigError.check(0 < p.delta < 1, "privacy.delta", p.delta, "must be in (0, 1)")
-    positive("privacy.clip", p.clip)
-    if p.epsilon is not None:
-        positive("privacy.epsilon", p.epsilon)
-    if p.noise_multiplier is not None:
-        positive("privacy.noise_multiplier", p.noise_multiplier)
+def validate(cfg) -> None:
+    """Every field of an :class:`MEstimationConfig` or a :class:`DDPSAConfig` (its declared rule),
+    then the rules that relate fields; a :class:`ConfigError` names the first problem."""
+    f, p = cfg.federation, cfg.privacy
+    check_sections(cfg)
+    ConfigError.check(f.clients_per_round <= f.n_clients, "federation.clients_per_round", f.clients_per_round,
+                      f"must be between 1 and federation.n_clients ({f.n_clients})")
     if p.enabled and p.epsilon is None and p.noise_multiplier is None:
         raise ConfigError("privacy.epsilon", None, "give a target epsilon or a noise_multiplier (or privacy.enabled=false)")
-    check_noise_seed("privacy.noise_seed", p.noise_seed)
-    choice("data.name", cfg.data.name, tuple(DATA_MODULES))
-    choice("model.name", cfg.model.name, tuple(MODEL_MODULES))
+    one_of(DATA_MODULES).check("data.name", cfg.data.name, ConfigError)
+    one_of(MODEL_MODULES).check("model.name", cfg.model.name, ConfigError)
     registry.resolve_options(registry.data_module(cfg.data.name), dict(cfg.data.options), "data.options")
     registry.resolve_options(registry.model_module(cfg.model.name), dict(cfg.model.options), "model.options")
-
-
-def validate_mestimation(cfg: MEstimationConfig) -> None:
-    _validate_common(cfg)
-    s = cfg.strategy
-    choice("strategy.name", s.name, STRATEGIES)
-    for name in ("lr", "local_lr", "hessian_clip", "floor"):
-        positive(f"strategy.{name}", getattr(s, name))
-    for name in ("local_steps", "switch_round", "newton_steps"):
-        positive_int(f"strategy.{name}", getattr(s, name))
-    ConfigError.check(0 < s.damping <= 1, "strategy.damping", s.damping, "must be in (0, 1]")
-
-
-def validate_ddpsa(cfg: DDPSAConfig) -> None:
-    _validate_common(cfg)
-    d = cfg.ddpsa
-    choice("ddpsa.clipping", d.clipping, CLIPPINGS)
-    for name in ("clip", "lr", "quantile_lr", "min_delta"):
-        positive(f"ddpsa.{name}", getattr(d, name))
-    for name, low in (("aggregators", 2), ("min_clients", 2), ("patience", 1)):
-        at_least(f"ddpsa.{name}", getattr(d, name), low)
-    ConfigError.check(0 < d.target_quantile < 1, "ddpsa.target_quantile", d.target_quantile, "must be in (0, 1)")
-    ConfigError.check(0 < d.budget_share < 1, "ddpsa.budget_share", d.budget_share, "must be in (0, 1)")
-    ConfigError.check(0 <= d.frac_bits <= 40, "ddpsa.frac_bits", d.frac_bits, "must be in [0, 40]")
-    if cfg.federation.clients_per_round < d.min_clients:
+    d = getattr(cfg, "ddpsa", None)
+    if d is not None and cfg.federation.clients_per_round < d.min_clients:
         raise ConfigError("federation.clients_per_round", cfg.federation.clients_per_round,
                           f"must be >= ddpsa.min_clients ({d.min_clients}): the secure sum needs that many clients")
 
@@ -158,5 +126,5 @@ def validate_ddpsa(cfg: DDPSAConfig) -> None:
 def load(schema: type, path: Optional[str], overrides: list[str]):
     """Defaults of ``schema``, then the YAML file, then overrides; type-checked and validated."""
     cfg = structured(schema, read_layers(path, overrides))
-    (validate_mestimation if schema is MEstimationConfig else validate_ddpsa)(cfg)
+    validate(cfg)
     return cfg
