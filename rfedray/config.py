@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rfedray.errors import ConfigError
-from rfedray.options import NON_NEGATIVE, POSITIVE, POSITIVE_INT, Rule, check_fields, closest, one_of, ranged
+from rfedray.options import NON_NEGATIVE, POSITIVE, POSITIVE_INT, UNIT, Rule, check_fields, closest, one_of, ranged
 from rfedray.privacy.randomness import SEED_BITS
 
 ENGINES = ("ray", "local")
@@ -46,7 +46,6 @@ MAX_CLIENTS = 100_000
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
-UNIT = Rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
 NOISE_SEED = Rule(lambda v: 0 <= v < 1 << SEED_BITS, f"must be null (OS entropy) or an integer in [0, 2^{SEED_BITS})")
 """A noise seed is null (OS entropy) or an integer in ``[0, 2^128)`` (:mod:`rfedray.privacy.randomness`)."""
 

@@ -67,12 +67,16 @@ def one_of(allowed) -> Rule:
 
 POSITIVE_INT = at_least(1)
 POSITIVE = Rule(lambda v: v > 0 and math.isfinite(v), "must be a finite number > 0")
+POSITIVE_NUMBER = Rule(lambda v: v > 0, "must be > 0")
 NON_NEGATIVE = Rule(lambda v: v >= 0, "must be >= 0")
 OPEN_UNIT = Rule(lambda v: 0 < v < 1, "must be in (0, 1)")
+UNIT = Rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
 
 
 def ranged(default: Any, rule: Rule) -> Any:
-    """A dataclass field with a default whose values must satisfy ``rule``."""
+    """A dataclass field with a default (a list is copied for each instance) whose values must satisfy ``rule``."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"rule": rule})
     return field(default=default, metadata={"rule": rule})
 
 
@@ -82,6 +86,14 @@ def check_fields(obj: Any, prefix: str, error: Type[ConfigError] = OptionsError)
     for f in fields(obj):
         if "rule" in f.metadata:
             f.metadata["rule"].check(f"{prefix}.{f.name}", getattr(obj, f.name), error)
+
+
+class Checked:
+    """Base of an options dataclass whose fields declare their allowed values (:func:`ranged`):
+    ``validate(prefix)`` checks them; a subclass extends it with the rules that relate fields."""
+
+    def validate(self, prefix: str) -> None:
+        check_fields(self, prefix)
 
 
 def resolve(schema: type, options: Mapping[str, Any], prefix: str) -> Any:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from rfedray.options import DTYPES, OptionsError
+from rfedray.options import DTYPES, NON_NEGATIVE, OPEN_UNIT, POSITIVE_INT, POSITIVE_NUMBER, Checked, one_of, ranged
 from rfedray.task import ClientData, EvalData
 
 PARTITIONS = ("iid", "dirichlet")
@@ -262,7 +262,7 @@ LOADERS: dict[str, Callable[[Any, int, int], Callable[[], Arrays]]] = {
 
 
 @dataclass
-class Options:
+class Options(Checked):
     """Schema of ``data.options`` for the scikit-learn sources.
 
     Attributes
@@ -285,30 +285,15 @@ class Options:
     dtype : {"float32", "float64"}
     """
 
-    dataset: str = "digits"
-    partition: str = "iid"
-    alpha: float = 0.5
-    test_fraction: float = 0.2
-    records_per_client: int = 500
-    test_records: int = 2000
-    d: int = 10
-    noise_std: float = 0.1
-    dtype: str = "float64"
-
-    def validate(self, prefix: str) -> None:
-        checks = [
-            ("dataset", self.dataset in LOADERS, "must be one of " + ", ".join(LOADERS)),
-            ("partition", self.partition in PARTITIONS, "must be one of " + ", ".join(PARTITIONS)),
-            ("alpha", self.alpha > 0, "must be > 0"),
-            ("test_fraction", 0.0 < self.test_fraction < 1.0, "must be in (0, 1)"),
-            ("records_per_client", self.records_per_client >= 1, "must be an integer >= 1"),
-            ("test_records", self.test_records >= 1, "must be an integer >= 1"),
-            ("d", self.d >= 1, "must be an integer >= 1"),
-            ("noise_std", self.noise_std >= 0, "must be >= 0"),
-            ("dtype", self.dtype in DTYPES, "must be one of " + ", ".join(DTYPES)),
-        ]
-        for name, ok, allowed in checks:
-            OptionsError.check(ok, f"{prefix}.{name}", getattr(self, name), allowed)
+    dataset: str = ranged("digits", one_of(LOADERS))
+    partition: str = ranged("iid", one_of(PARTITIONS))
+    alpha: float = ranged(0.5, POSITIVE_NUMBER)
+    test_fraction: float = ranged(0.2, OPEN_UNIT)
+    records_per_client: int = ranged(500, POSITIVE_INT)
+    test_records: int = ranged(2000, POSITIVE_INT)
+    d: int = ranged(10, POSITIVE_INT)
+    noise_std: float = ranged(0.1, NON_NEGATIVE)
+    dtype: str = ranged("float64", one_of(DTYPES))
 
 
 def build(options: Options, *, n_clients: int, seed: int) -> ArrayFederation:

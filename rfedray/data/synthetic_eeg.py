@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from rfedray.data.eeg import ESTIMATORS, REPRESENTATIONS, split_client, train_size, union_of_tests
-from rfedray.options import DTYPES, OptionsError
+from rfedray.options import DTYPES, NON_NEGATIVE, Checked, OptionsError, Rule, at_least, one_of, ranged
 from rfedray.task import ClientData, EvalData
 
 MICROVOLTS_PER_VOLT = 1e6
 
 
 @dataclass
-class Options:
+class Options(Checked):
     """Schema of ``data.options`` for ``data.source: synthetic_eeg``.
 
     Attributes
@@ -47,33 +47,22 @@ class Options:
         As in :class:`rfedray.data.eeg.Options`.
     """
 
-    channels: int = 8
-    n_times: int = 128
-    num_classes: int = 2
+    channels: int = ranged(8, at_least(2))
+    n_times: int = ranged(128, at_least(2))
+    num_classes: int = ranged(2, at_least(2))
     trials_per_client: int = 48
-    separation: float = 1.0
-    heterogeneity: float = 0.1
-    amplitude: float = 1e-5
-    representation: str = "covariance"
-    estimator: str = "oas"
-    test_fraction: float = 0.25
-    dtype: str = "float32"
+    separation: float = ranged(1.0, NON_NEGATIVE)
+    heterogeneity: float = ranged(0.1, NON_NEGATIVE)
+    amplitude: float = ranged(1e-5, Rule(lambda v: 0 < v < float("inf"), "must be a finite number > 0 (volts)"))
+    representation: str = ranged("covariance", one_of(REPRESENTATIONS))
+    estimator: str = ranged("oas", one_of(ESTIMATORS))
+    test_fraction: float = ranged(0.25, Rule(lambda v: 0.0 < v < 1.0, "must be in the open interval (0, 1)"))
+    dtype: str = ranged("float32", one_of(DTYPES))
 
     def validate(self, prefix: str) -> None:
-        OptionsError.check(self.channels >= 2, f"{prefix}.channels", self.channels, "must be an integer >= 2")
-        OptionsError.check(self.n_times >= 2, f"{prefix}.n_times", self.n_times, "must be an integer >= 2")
-        OptionsError.check(self.num_classes >= 2, f"{prefix}.num_classes", self.num_classes, "must be an integer >= 2")
+        super().validate(prefix)
         if self.trials_per_client < 2 * self.num_classes:
             raise OptionsError(f"{prefix}.trials_per_client", self.trials_per_client, f"must be >= 2 * num_classes ({2 * self.num_classes})")
-        OptionsError.check(self.separation >= 0, f"{prefix}.separation", self.separation, "must be >= 0")
-        OptionsError.check(self.heterogeneity >= 0, f"{prefix}.heterogeneity", self.heterogeneity, "must be >= 0")
-        if not 0 < self.amplitude < float("inf"):
-            raise OptionsError(f"{prefix}.amplitude", self.amplitude, "must be a finite number > 0 (volts)")
-        OptionsError.one_of(f"{prefix}.representation", self.representation, REPRESENTATIONS)
-        OptionsError.one_of(f"{prefix}.estimator", self.estimator, ESTIMATORS)
-        if not 0.0 < self.test_fraction < 1.0:
-            raise OptionsError(f"{prefix}.test_fraction", self.test_fraction, "must be in the open interval (0, 1)")
-        OptionsError.one_of(f"{prefix}.dtype", self.dtype, DTYPES)
 
 
 def _rng(seed: int, *key: int) -> np.random.Generator:

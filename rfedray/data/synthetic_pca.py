@@ -22,36 +22,27 @@ import torch
 
 from rfedray.data.validation import available_memory
 from rfedray.errors import ConfigError
-from rfedray.options import DTYPES, OptionsError
+from rfedray.options import DTYPES, NON_NEGATIVE, POSITIVE_INT, UNIT, Checked, OptionsError, Rule, at_least, one_of, ranged
 from rfedray.task import ClientData, EvalData
 
 
 @dataclass
-class Options:
+class Options(Checked):
     """Schema of ``data.options`` for ``data.source: synthetic_pca``."""
 
-    d: int = 40
+    d: int = ranged(40, at_least(2))
     p: int = 4
-    records_per_client: int = 2000
-    size_spread: float = 0.0
-    heterogeneity: float = 0.1
-    eigengap: float = 1.0
-    noise_std: float = 0.3
-    radius: float = 1.0
-    dtype: str = "float32"
+    records_per_client: int = ranged(2000, POSITIVE_INT)
+    size_spread: float = ranged(0.0, UNIT)
+    heterogeneity: float = ranged(0.1, NON_NEGATIVE)
+    eigengap: float = ranged(1.0, Rule(lambda v: v > 0, "must be > 0"))
+    noise_std: float = ranged(0.3, NON_NEGATIVE)
+    radius: float = ranged(1.0, Rule(lambda v: v > 0 and np.isfinite(v), "must be finite and > 0"))
+    dtype: str = ranged("float32", one_of(DTYPES))
 
     def validate(self, prefix: str) -> None:
-        OptionsError.check(self.d >= 2, f"{prefix}.d", self.d, "must be an integer >= 2")
+        super().validate(prefix)
         OptionsError.check(1 <= self.p < self.d, f"{prefix}.p", self.p, f"must be between 1 and d-1 ({self.d - 1})")
-        if self.records_per_client < 1:
-            raise OptionsError(f"{prefix}.records_per_client", self.records_per_client, "must be an integer >= 1")
-        OptionsError.check(0.0 <= self.size_spread < 1.0, f"{prefix}.size_spread", self.size_spread, "must be in [0, 1)")
-        OptionsError.check(self.heterogeneity >= 0, f"{prefix}.heterogeneity", self.heterogeneity, "must be >= 0")
-        OptionsError.check(self.eigengap > 0, f"{prefix}.eigengap", self.eigengap, "must be > 0")
-        OptionsError.check(self.noise_std >= 0, f"{prefix}.noise_std", self.noise_std, "must be >= 0")
-        if not (self.radius > 0 and np.isfinite(self.radius)):
-            raise OptionsError(f"{prefix}.radius", self.radius, "must be finite and > 0")
-        OptionsError.one_of(f"{prefix}.dtype", self.dtype, DTYPES)
 
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from rfedray.data.sklearn_data import PARTITIONS, ArrayFederation, Arrays, _rng, _unit_rows
 from rfedray.errors import RfedrayError
-from rfedray.options import DTYPES, OptionsError
+from rfedray.options import DTYPES, POSITIVE_NUMBER, Checked, Rule, one_of, ranged
 from rfedray.paths import data_dir
 
 MNIST_FILES = {
@@ -42,6 +42,8 @@ CIFAR_DIR = "cifar-10-batches-py"
 CIFAR_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR_TEST = "test_batch"
 DATASETS = ("mnist", "cifar10")
+SUBSET = Rule(lambda v: v >= 1, "must be null (all) or an integer >= 1")
+"""A random subset's size (``max_train_records``, ``max_test_records``)."""
 FETCH_HINT = {
     "mnist": "download the four MNIST IDX files (e.g. from the MNIST page of Yann LeCun or a mirror) "
              "into that directory; .gz files are read as they are",
@@ -142,7 +144,7 @@ def vision_arrays(dataset: str, root: Path, unit_norm: bool, max_train: Optional
 
 
 @dataclass
-class Options:
+class Options(Checked):
     """Schema of ``data.options`` for ``mnist`` / ``cifar10``.
 
     Attributes
@@ -159,24 +161,14 @@ class Options:
     dtype : {"float32", "float64"}
     """
 
-    dataset: str = "mnist"
+    dataset: str = ranged("mnist", one_of(DATASETS))
     root: Optional[str] = None
-    partition: str = "iid"
-    alpha: float = 0.5
+    partition: str = ranged("iid", one_of(PARTITIONS))
+    alpha: float = ranged(0.5, POSITIVE_NUMBER)
     unit_norm: bool = True
-    max_train_records: Optional[int] = None
-    max_test_records: Optional[int] = None
-    dtype: str = "float32"
-
-    def validate(self, prefix: str) -> None:
-        OptionsError.one_of(f"{prefix}.dataset", self.dataset, DATASETS)
-        OptionsError.one_of(f"{prefix}.partition", self.partition, PARTITIONS)
-        OptionsError.check(self.alpha > 0, f"{prefix}.alpha", self.alpha, "must be > 0")
-        for name in ("max_train_records", "max_test_records"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise OptionsError(f"{prefix}.{name}", value, "must be null (all) or an integer >= 1")
-        OptionsError.one_of(f"{prefix}.dtype", self.dtype, DTYPES)
+    max_train_records: Optional[int] = ranged(None, SUBSET)
+    max_test_records: Optional[int] = ranged(None, SUBSET)
+    dtype: str = ranged("float32", one_of(DTYPES))
 
 
 def build(options: Options, *, n_clients: int, seed: int) -> ArrayFederation:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from rfedray.options import DTYPES, OptionsError
+from rfedray.options import DTYPES, Checked, OptionsError, Rule, ranged
 from rfedray.geometry import Euclidean
 from rfedray.models.spdnet import classification_metrics
 from rfedray.task import EvalData, Params
@@ -178,7 +178,7 @@ class EEGNet:
 
 
 @dataclass
-class Options:
+class Options(Checked):
     """Schema of ``model.options`` for ``model.name: eegnet``.
 
     Attributes
@@ -187,11 +187,7 @@ class Options:
         Groups of every GroupNorm (1, 2, 4 or 8: a divisor of F1 = 8).
     """
 
-    norm_groups: int = 1
-
-    def validate(self, prefix: str) -> None:
-        if self.norm_groups not in (1, 2, 4, 8):
-            raise OptionsError(f"{prefix}.norm_groups", self.norm_groups, "must be 1, 2, 4 or 8 (a divisor of F1 = 8)")
+    norm_groups: int = ranged(1, Rule(lambda v: v in (1, 2, 4, 8), "must be 1, 2, 4 or 8 (a divisor of F1 = 8)"))
 
 
 def build(options: Options, info: dict, retraction=None) -> EEGNet:

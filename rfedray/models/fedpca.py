@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from rfedray.options import DTYPES, OptionsError
+from rfedray.options import DTYPES, Checked, OptionsError, Rule, one_of, ranged
 from rfedray.geometry import Grassmann, Manifold, PolarRetraction, Sphere, Stiefel
 from rfedray.task import EvalData, Params
 
@@ -111,16 +111,11 @@ PARAMETRISATIONS = {"grassmann": GrassmannPCA, "stiefel": StiefelPCA, "sphere": 
 
 
 @dataclass
-class Options:
+class Options(Checked):
     """Schema of ``model.options`` for ``model.name: fedpca``."""
 
-    manifold: str = "grassmann"
-    p: Optional[int] = None
-
-    def validate(self, prefix: str) -> None:
-        OptionsError.one_of(f"{prefix}.manifold", self.manifold, PARAMETRISATIONS)
-        if self.p is not None and self.p < 1:
-            raise OptionsError(f"{prefix}.p", self.p, "must be null (the data's p) or an integer >= 1")
+    manifold: str = ranged("grassmann", one_of(PARAMETRISATIONS))
+    p: Optional[int] = ranged(None, Rule(lambda v: v >= 1, "must be null (the data's p) or an integer >= 1"))
 
 
 class FedPCA:

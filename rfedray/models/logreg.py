@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rfedray.options import DTYPES, OptionsError
+from rfedray.options import DTYPES, NON_NEGATIVE, Checked, OptionsError, one_of, ranged
 from rfedray.geometry import Euclidean
 from rfedray.task import EvalData, Params
 
@@ -199,7 +199,7 @@ class LinearRegression(GLMHessian):
 
 
 @dataclass
-class Options:
+class Options(Checked):
     """Schema of ``model.options`` for ``model.name: logreg``.
 
     Attributes
@@ -210,12 +210,8 @@ class Options:
         Ridge coefficient.
     """
 
-    task: str = "auto"
-    l2: float = 1e-3
-
-    def validate(self, prefix: str) -> None:
-        OptionsError.one_of(f"{prefix}.task", self.task, TASKS)
-        OptionsError.check(self.l2 >= 0, f"{prefix}.l2", self.l2, "must be >= 0")
+    task: str = ranged("auto", one_of(TASKS))
+    l2: float = ranged(1e-3, NON_NEGATIVE)
 
 
 def model_dtype(info: dict) -> torch.dtype:

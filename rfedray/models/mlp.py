@@ -9,12 +9,12 @@ Hessian). No normalisation layer: per-sample gradients stay independent across r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from rfedray.options import OptionsError
+from rfedray.options import NON_NEGATIVE, Checked, Rule, one_of, ranged
 from rfedray.geometry import Euclidean
 from rfedray.models.logreg import (
     TASKS, classification_metrics, cross_entropy, model_dtype, parameter_error, regression_metrics, ridge,
@@ -101,7 +101,7 @@ class MLP:
 
 
 @dataclass
-class Options:
+class Options(Checked):
     """Schema of ``model.options`` for ``model.name: mlp``.
 
     Attributes
@@ -113,17 +113,10 @@ class Options:
     l2 : float
     """
 
-    hidden: list[int] = field(default_factory=lambda: [32])
-    activation: str = "tanh"
-    task: str = "auto"
-    l2: float = 0.0
-
-    def validate(self, prefix: str) -> None:
-        if any(h < 1 for h in self.hidden):
-            raise OptionsError(f"{prefix}.hidden", self.hidden, "every width must be an integer >= 1")
-        OptionsError.one_of(f"{prefix}.activation", self.activation, ACTIVATIONS)
-        OptionsError.one_of(f"{prefix}.task", self.task, TASKS)
-        OptionsError.check(self.l2 >= 0, f"{prefix}.l2", self.l2, "must be >= 0")
+    hidden: list[int] = ranged([32], Rule(lambda widths: all(h >= 1 for h in widths), "every width must be an integer >= 1"))
+    activation: str = ranged("tanh", one_of(ACTIVATIONS))
+    task: str = ranged("auto", one_of(TASKS))
+    l2: float = ranged(0.0, NON_NEGATIVE)
 
 
 def build(options: Options, info: dict, retraction=None) -> MLP:

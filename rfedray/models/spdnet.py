@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rfedray.options import DTYPES, OptionsError
+from rfedray.options import DTYPES, POSITIVE_INT, Checked, OptionsError, Rule, ranged
 from rfedray.geometry import Euclidean, Stiefel
 from rfedray.geometry.stiefel import PolarRetraction, StiefelRetraction
 from rfedray.spectral import sym_clamp, sym_clamped_log
@@ -201,7 +201,7 @@ def classification_metrics(logits_fn, params: Params, data: EvalData, chunk: int
 
 
 @dataclass
-class Options:
+class Options(Checked):
     """Schema of ``model.options`` for ``model.name: spdnet``.
 
     Attributes
@@ -226,18 +226,14 @@ class Options:
         features become log-powers relative to the record's own mean power.
     """
 
-    d: Optional[int] = None
-    eps_reeig: Optional[float] = None
-    depth: int = 1
+    d: Optional[int] = ranged(None, Rule(lambda v: v >= 1, "must be null (Table 5) or an integer >= 1"))
+    eps_reeig: Optional[float] = ranged(None, Rule(lambda v: 0.0 < v < float("inf"), "must be null (Table 5) or a finite number > 0"))
+    depth: int = ranged(1, POSITIVE_INT)
     init_filters: Optional[List[Dict[str, float]]] = None
     scale_free: bool = False
 
     def validate(self, prefix: str) -> None:
-        if self.d is not None and self.d < 1:
-            raise OptionsError(f"{prefix}.d", self.d, "must be null (Table 5) or an integer >= 1")
-        if self.eps_reeig is not None and not 0.0 < self.eps_reeig < float("inf"):
-            raise OptionsError(f"{prefix}.eps_reeig", self.eps_reeig, "must be null (Table 5) or a finite number > 0")
-        OptionsError.check(self.depth >= 1, f"{prefix}.depth", self.depth, "must be an integer >= 1")
+        super().validate(prefix)
         if self.init_filters is not None:
             filters = self.init_filters
             if not filters or not all(f and all(math.isfinite(w) for w in f.values()) and any(w != 0 for w in f.values())
