@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from rfedray.privacy import checks
 from rfedray.privacy.mechanism import per_sample_gradients
 from rfedray.privacy.randomness import SecureGenerator
 from rfedray.task import Params
@@ -95,8 +96,7 @@ class StaticClip(ClipPolicy):
     name: str = "static"
 
     def __post_init__(self):
-        if not self.clip > 0:
-            raise ValueError(f"clip={self.clip}: must be > 0")
+        checks.positive("clip", self.clip)
 
     def thresholds(self, state, norms):
         return {l: self.clip for l in norms}
@@ -148,16 +148,12 @@ class PrivateQuantileClip(ClipPolicy):
     name: str = "private_quantile"
 
     def __post_init__(self):
-        if not self.initial_clip > 0:
-            raise ValueError(f"initial_clip={self.initial_clip}: must be > 0")
-        if not 0 < self.target_quantile < 1:
-            raise ValueError(f"target_quantile={self.target_quantile}: must be in (0, 1)")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate={self.learning_rate}: must be > 0")
-        if not 0 < self.budget_share < 1:
-            raise ValueError(f"budget_share={self.budget_share}: must be in (0, 1)")
-        if self.count_scale is not None and not self.count_scale > 0:
-            raise ValueError(f"count_scale={self.count_scale}: must be > 0")
+        checks.positive("initial_clip", self.initial_clip)
+        checks.open_unit("target_quantile", self.target_quantile)
+        checks.positive("learning_rate", self.learning_rate)
+        checks.open_unit("budget_share", self.budget_share)
+        if self.count_scale is not None:
+            checks.positive("count_scale", self.count_scale)
 
     def bind(self, noise_multiplier):
         return replace(self, count_scale=noise_multiplier * (1 - self.budget_share) / self.budget_share)

@@ -12,31 +12,18 @@ import math
 import numbers
 from typing import Any
 
-from rfedray.errors import RfedrayError
+from rfedray.errors import ConfigError
 
 
-class PrivacyParameterError(RfedrayError, ValueError):
-    """A privacy parameter outside its allowed range.
+class PrivacyParameterError(ConfigError):
+    """A privacy parameter outside its allowed range: ``PrivacyParameterError(name, value, allowed)``,
+    e.g. ``("epsilon", -1, "must be > 0")`` (a :class:`~rfedray.errors.ConfigError` whose field is
+    the argument's :attr:`name`)."""
 
-    Parameters
-    ----------
-    name : str
-        The argument, e.g. ``"epsilon"``.
-    value : Any
-        The value that was given.
-    allowed : str
-        What would have been accepted, e.g. ``"must be > 0"``.
-    """
-
-    def __init__(self, name: str, value: Any, allowed: str):
-        self.name = name
-        self.value = value
-        self.allowed = allowed
-        super().__init__(f"{name}={value!r}: {allowed}")
-
-    def __reduce__(self):
-        # Picklable with its three arguments, so it crosses process (Ray) boundaries intact.
-        return (type(self), (self.name, self.value, self.allowed))
+    @property
+    def name(self) -> str:
+        """The argument, e.g. ``"epsilon"``."""
+        return self.field
 
 
 def real_number(name: str, value: Any) -> float:
