@@ -46,40 +46,36 @@ def _integer(name: str, value: Any) -> int:
 def positive(name: str, value: Any) -> float:
     """``value`` as a float, checked finite and > 0."""
     v = real_number(name, value)
-    if not (v > 0 and math.isfinite(v)):
-        raise PrivacyParameterError(name, value, "must be > 0" if math.isfinite(v) else "must be finite and > 0")
+    PrivacyParameterError.check(v > 0 and math.isfinite(v), name, value,
+                                "must be > 0" if math.isfinite(v) else "must be finite and > 0")
     return v
 
 
 def open_unit(name: str, value: Any) -> float:
     """``value`` as a float, checked in the open interval (0, 1) (e.g. delta)."""
     v = real_number(name, value)
-    if not 0.0 < v < 1.0:
-        raise PrivacyParameterError(name, value, "must be in (0, 1)")
+    PrivacyParameterError.check(0.0 < v < 1.0, name, value, "must be in (0, 1)")
     return v
 
 
 def sampling_rate(name: str, value: Any) -> float:
     """``value`` as a float, checked in the half-open interval (0, 1] (a sampling rate ``q``)."""
     v = real_number(name, value)
-    if not 0.0 < v <= 1.0:
-        raise PrivacyParameterError(name, value, "must be in (0, 1]")
+    PrivacyParameterError.check(0.0 < v <= 1.0, name, value, "must be in (0, 1]")
     return v
 
 
 def nonnegative_int(name: str, value: Any) -> int:
     """``value`` as an int, checked >= 0 (e.g. a number of steps)."""
     v = _integer(name, value)
-    if v < 0:
-        raise PrivacyParameterError(name, value, "must be an integer >= 0")
+    PrivacyParameterError.check(v >= 0, name, value, "must be an integer >= 0")
     return v
 
 
 def positive_int(name: str, value: Any) -> int:
     """``value`` as an int, checked >= 1."""
     v = _integer(name, value)
-    if v < 1:
-        raise PrivacyParameterError(name, value, "must be an integer >= 1")
+    PrivacyParameterError.check(v >= 1, name, value, "must be an integer >= 1")
     return v
 
 
@@ -87,8 +83,6 @@ def batch_within(batch_size: Any, records: Any) -> tuple[int, int]:
     """``(batch_size, records)`` checked so that the sampling rate ``q = B / m`` is in (0, 1]."""
     m = positive_int("records", records)
     b = _integer("batch_size", batch_size)
-    if not 1 <= b <= m:
-        raise PrivacyParameterError(
-            "batch_size", batch_size, f"must be an integer in [1, records={m}] (sampling rate q = B/m in (0, 1])"
-        )
+    PrivacyParameterError.check(1 <= b <= m, "batch_size", batch_size,
+                                f"must be an integer in [1, records={m}] (sampling rate q = B/m in (0, 1])")
     return b, m

@@ -168,21 +168,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     actions = privacy.add_subparsers(dest="privacy_command", metavar="ACTION", required=True)
 
-    calibrate = actions.add_parser(
-        "calibrate", help="smallest sigma meeting (epsilon, delta)",
-        description="Print the smallest absolute noise std sigma with which the accountant certifies (epsilon, delta).",
-    )
-    calibrate.add_argument("--epsilon", required=True, metavar="E", help="target epsilon, > 0")
-    _mechanism_options(calibrate)
-    calibrate.set_defaults(func=cmd_calibrate)
-
-    epsilon = actions.add_parser(
-        "epsilon", help="epsilon of a client after T rounds at a given sigma",
-        description="Print the epsilon one client has spent after T participations of TAU steps at noise sigma.",
-    )
-    epsilon.add_argument("--sigma", required=True, metavar="S", help="absolute noise std, > 0")
-    _mechanism_options(epsilon)
-    epsilon.set_defaults(func=cmd_epsilon)
+    for name, func, summary, description, given, metavar, given_help in (
+        ("calibrate", cmd_calibrate, "smallest sigma meeting (epsilon, delta)",
+         "Print the smallest absolute noise std sigma with which the accountant certifies (epsilon, delta).",
+         "--epsilon", "E", "target epsilon, > 0"),
+        ("epsilon", cmd_epsilon, "epsilon of a client after T rounds at a given sigma",
+         "Print the epsilon one client has spent after T participations of TAU steps at noise sigma.",
+         "--sigma", "S", "absolute noise std, > 0"),
+    ):
+        action = actions.add_parser(name, help=summary, description=description)
+        action.add_argument(given, required=True, metavar=metavar, help=given_help)
+        _mechanism_options(action)
+        action.set_defaults(func=func)
 
     table = actions.add_parser(
         "table", help="reproduce the paper's Table 10",
