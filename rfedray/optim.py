@@ -27,9 +27,11 @@ if TYPE_CHECKING:
 State = dict[str, Tensor]
 
 
-def _check_step_index(step_index: int) -> None:
-    if int(step_index) != step_index or step_index < 0:
-        raise ValueError(f"step_index={step_index!r}: must be an integer >= 0")
+def _integer(name: str, value: int, low: int) -> int:
+    """``value`` as an int, checked to be an integer >= ``low``."""
+    if int(value) != value or value < low:
+        raise ValueError(f"{name}={value!r}: must be an integer >= {low}")
+    return int(value)
 
 
 def _check_unit_interval(name: str, value: float) -> None:
@@ -53,7 +55,7 @@ class Constant(LRSchedule):
     """Multiplier 1 at every step."""
 
     def __call__(self, step_index: int) -> float:
-        _check_step_index(step_index)
+        _integer("step_index", step_index, 0)
         return 1.0
 
 
@@ -71,14 +73,13 @@ class StepDecay(LRSchedule):
     hyperparameters = ("step_size", "gamma")
 
     def __init__(self, step_size: int, gamma: float):
-        if int(step_size) != step_size or step_size < 1:
-            raise ValueError(f"step_size={step_size!r}: must be an integer >= 1")
+        self.step_size = _integer("step_size", step_size, 1)
         if not (0.0 < gamma <= 1.0):
             raise ValueError(f"gamma={gamma!r}: must be in (0, 1]")
-        self.step_size, self.gamma = int(step_size), float(gamma)
+        self.gamma = float(gamma)
 
     def __call__(self, step_index: int) -> float:
-        _check_step_index(step_index)
+        _integer("step_index", step_index, 0)
         return self.gamma ** (int(step_index) // self.step_size)
 
 
@@ -95,12 +96,10 @@ class Cosine(LRSchedule):
     hyperparameters = ("total_steps",)
 
     def __init__(self, total_steps: int):
-        if int(total_steps) != total_steps or total_steps < 1:
-            raise ValueError(f"total_steps={total_steps!r}: must be an integer >= 1")
-        self.total_steps = int(total_steps)
+        self.total_steps = _integer("total_steps", total_steps, 1)
 
     def __call__(self, step_index: int) -> float:
-        _check_step_index(step_index)
+        _integer("step_index", step_index, 0)
         return 0.5 * (1.0 + math.cos(math.pi * min(int(step_index), self.total_steps) / self.total_steps))
 
 
@@ -308,11 +307,11 @@ def build_optimizer(cfg: OptimizerConfig, manifold: Manifold, total_steps: int) 
         raise ValueError(f"name={cfg.name!r}: must be one of {', '.join(OPTIMIZERS)}")
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"schedule={cfg.schedule!r}: must be one of {', '.join(SCHEDULES)}")
-    if int(total_steps) != total_steps or total_steps < 1:
-        raise ValueError(f"total_steps={total_steps!r}: must be an integer >= 1")
+    total_steps = _integer("total_steps", total_steps, 1)
+
     def options(kind: type) -> dict[str, Any]:
         """``kind``'s hyperparameters from ``cfg`` (the schedule's ``total_steps``: the argument)."""
-        return {k: int(total_steps) if k == "total_steps" else getattr(cfg, k) for k in kind.hyperparameters}
+        return {k: total_steps if k == "total_steps" else getattr(cfg, k) for k in kind.hyperparameters}
 
     schedule_class, optimizer_class = SCHEDULES[cfg.schedule], OPTIMIZERS[cfg.name]
     schedule = schedule_class(**options(schedule_class))
