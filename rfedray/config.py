@@ -367,14 +367,6 @@ def to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def check_sections(cfg: Any) -> None:
-    """:func:`rfedray.options.check_fields` of every section of ``cfg`` (a dataclass of sections)."""
-    for f in fields(cfg):
-        section = getattr(cfg, f.name)
-        if is_dataclass(section):
-            check_fields(section, f.name, ConfigError)
-
-
 def validate(cfg: Config) -> None:
     """Check every field (its declared :class:`~rfedray.options.Rule`) and the cross-field rules;
     raise :class:`ConfigError` on the first problem."""
@@ -385,7 +377,7 @@ def validate(cfg: Config) -> None:
             f"must be one of {', '.join(ACCOUNTANTS)}: {p.accountant} is an approximation, not an upper bound on epsilon, "
             "so it cannot calibrate, charge or halt a run (read budgets with it: rfedray privacy epsilon --accountant clt)",
         )
-    check_sections(cfg)
+    check_fields(cfg, "", ConfigError)
     ConfigError.check(fed.n_clients <= MAX_CLIENTS, "federation.n_clients", fed.n_clients,
                       f"must be at most {MAX_CLIENTS} (every round rewrites each client's budget in budget.json)")
     ConfigError.check(fed.clients_per_round <= fed.n_clients, "federation.clients_per_round", fed.clients_per_round,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Callable, Mapping, Type
 
 import torch
@@ -82,10 +82,14 @@ def ranged(default: Any, rule: Rule) -> Any:
 
 def check_fields(obj: Any, prefix: str, error: Type[ConfigError] = OptionsError) -> None:
     """Raise ``error("prefix.name", value, rule.allowed)`` for the first field of the dataclass
-    ``obj`` whose value breaks the :class:`Rule` it was declared with (:func:`ranged`)."""
+    ``obj`` whose value breaks the :class:`Rule` it was declared with (:func:`ranged`); a field that
+    is itself a dataclass (a configuration's section) is checked the same way, with its name as prefix."""
     for f in fields(obj):
+        name, value = f"{prefix}.{f.name}".lstrip("."), getattr(obj, f.name)
         if "rule" in f.metadata:
-            f.metadata["rule"].check(f"{prefix}.{f.name}", getattr(obj, f.name), error)
+            f.metadata["rule"].check(name, value, error)
+        elif is_dataclass(value):
+            check_fields(value, name, error)
 
 
 class Checked:
@@ -102,7 +106,8 @@ def resolve(schema: type, options: Mapping[str, Any], prefix: str) -> Any:
     Parameters
     ----------
     schema : dataclass type
-        An ``Options`` class; its optional ``validate(prefix)`` method checks ranges.
+        An ``Options`` class; its optional ``validate(prefix)`` method checks ranges
+        (:class:`Checked`: those its fields declare).
     options : mapping
         Option name to value.
     prefix : str

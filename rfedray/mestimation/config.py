@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-from rfedray.config import ENGINES, NOISE_SEED, check_sections, read_layers, structured
-from rfedray.options import OPEN_UNIT, POSITIVE, POSITIVE_INT, Rule, at_least, one_of, ranged
+from rfedray.config import ENGINES, NOISE_SEED, read_layers, structured
+from rfedray.options import OPEN_UNIT, POSITIVE, POSITIVE_INT, Rule, at_least, check_fields, one_of, ranged
 from rfedray import registry
 from rfedray.errors import ConfigError
 
@@ -108,7 +108,7 @@ def validate(cfg) -> None:
     """Every field of an :class:`MEstimationConfig` or a :class:`DDPSAConfig` (its declared rule),
     then the rules that relate fields; a :class:`ConfigError` names the first problem."""
     f, p = cfg.federation, cfg.privacy
-    check_sections(cfg)
+    check_fields(cfg, "", ConfigError)
     ConfigError.check(f.clients_per_round <= f.n_clients, "federation.clients_per_round", f.clients_per_round,
                       f"must be between 1 and federation.n_clients ({f.n_clients})")
     if p.enabled and p.epsilon is None and p.noise_multiplier is None:
