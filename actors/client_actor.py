@@ -7,7 +7,7 @@ store. The clients of the cohort it hosts are trained together, one set of kerne
 (:func:`rfedray.federated.client.train_together`), with the results of training them one by one. Its only
 training method returns, per client, a
 :class:`~rfedray.federated.client.LocalResult` (submission, optimiser state, train seconds: all
-privatised) or a :class:`~rfedray.federated.client.ClientFailure`; its evaluation method sends
+privatised) or a :class:`~rfedray.federated.client.ClientFailure`; its ``run`` of the evaluation task sends
 the secret shares of its clients' test metrics to the aggregators (:mod:`rfedray.federated.evaluation`).
 
 The clients of the core are stateless between rounds (optimiser state comes back with each result
@@ -138,7 +138,7 @@ class ClientActor:
             # torch.func imports torch._dynamo on first use (seconds): here, not in round 0's deadline.
             # A step with closed-form per-record gradients never does (~70 MiB less per actor).
             importlib.import_module("torch._dynamo")
-        self._executor = LocalExecutor(cfg, dataset, model, plan)
+        self._executor = LocalExecutor(cfg, dataset, model, plan, client_ids=self.client_ids)
         # A data error's own message stays in this actor's log, on the client's node; the server (and the
         # error of the run) learns only its type.
         self._executor.load(self.client_ids, "the client actor's log, on the client's node")
@@ -178,11 +178,11 @@ class ClientActor:
             results[cid] = r
         return results
 
-    def evaluate(self, task, theta: dict[str, torch.Tensor], round_index: int) -> dict[int, Any]:
-        """``task`` (:class:`~rfedray.federated.evaluation.EvaluationTask`) on every client hosted
-        here, each on its own test split: per client what the task answers (its metrics' names; the
-        values leave as secret shares only) or a ClientFailure."""
-        return self._executor.evaluate_clients(task, to_device(theta, self.device), round_index, self.client_ids)
+    def run(self, client_ids: Sequence[int], task, theta: dict[str, torch.Tensor], round_index: int) -> dict[int, Any]:
+        """``task`` (:class:`~rfedray.federated.evaluation.EvaluationTask`) on the clients of ``client_ids``
+        hosted here, each on its own test split: per client what the task answers (its metrics' names;
+        the values leave as secret shares only) or a ClientFailure."""
+        return self._executor.run(client_ids, task, to_device(theta, self.device), round_index)
 
     def describe(self) -> dict[str, Any]:
         """Where this actor runs: process, node, torch device and threads, hosted client ids."""
@@ -214,7 +214,8 @@ class TaskHostActor(ClientHost):
 
     def __init__(self, spec: TaskSpec, client_ids: Sequence[int], threads: int):
         use_threads(threads)
-        super().__init__(spec, client_ids)
+        dataset = spec.build_dataset()
+        super().__init__(dataset, spec.build_model(dataset.info), client_ids)
         for cid in self.client_ids:
             self.client(cid)
 

@@ -12,8 +12,9 @@ engines:
 * :class:`RayExecutor` (:func:`ray_executor`): DP-RFedProj's local training on
   :class:`~actors.client_actor.ClientActor` s; it also serves a federation run in the calling
   process (tests, benchmarks).
-* :class:`RayTaskEngine` (:func:`ray_task_engine`): the client tasks of M-estimation and DDP-SA
-  (:mod:`rfedray.federated.engine`) on :class:`~actors.client_actor.TaskHostActor` s.
+* :class:`ActorEngine` itself (:func:`ray_task_engine`): the client tasks of M-estimation and DDP-SA
+  (:mod:`rfedray.federated.engine`) on :class:`~actors.client_actor.TaskHostActor` s; its
+  :meth:`ActorEngine.run` is also the Ray executor's evaluation on the clients' test splits.
 
 On one machine (a Ray instance this process started, :attr:`~actors.session.RaySession.one_machine`)
 the privacy ledger stays with the loop, in this process: the loop's own
@@ -162,8 +163,8 @@ class ActorCalls:
 
 
 class ActorEngine:
-    """What both Ray engines share: this process's Ray session, and a pool of client actors whose
-    calls :class:`ActorCalls` runs within the round deadline.
+    """A Ray engine: this process's Ray session, and a pool of client actors whose calls
+    :class:`ActorCalls` runs within the round deadline; it runs client tasks on them.
 
     Parameters
     ----------
@@ -187,6 +188,21 @@ class ActorEngine:
         shape.check(cfg, len(blocks))
         self.pool = ClientPool(cfg, blocks, shape, actor_class, actor_args, runtime_env)
         self.calls = ActorCalls(self.pool, self.timeout_s)
+
+    def run(self, cohort: Sequence[int], task: ClientTask, theta: Params, round_index: int) -> dict[int, Any]:
+        """``task`` on every client of ``cohort``, on the actors hosting them, within the round deadline
+        (:meth:`ActorCalls.run`; implements :class:`rfedray.federated.engine.Engine`).
+
+        Answers every client of the cohort in cohort order, as the local engine does, so that a loop
+        combining the answers in that order computes the same bits on both engines.
+        """
+        theta_ref, task_ref = ray.put(theta), ray.put(task)
+
+        def run(actor, members: list[int]) -> ray.ObjectRef:
+            return actor.run.remote(members, task_ref, theta_ref, round_index)
+
+        answers = self.calls.run(cohort, run, round_index)
+        return {cid: answers[cid] for cid in cohort}
 
     def close(self) -> None:
         """Stop the actors; shut Ray down if this engine started it."""
@@ -243,16 +259,6 @@ class RayExecutor(ActorEngine):
 
         return self.calls.run(cohort, train, round_index)
 
-    def evaluate_clients(self, task, theta: Params, round_index: int) -> dict[int, Any]:
-        """``task`` on every client, on the actors hosting them, within the round deadline
-        (:meth:`ActorCalls.run`; :mod:`rfedray.federated.evaluation`)."""
-        theta_ref, task_ref = ray.put(theta), ray.put(task)
-
-        def evaluate(actor, members: list[int]) -> ray.ObjectRef:
-            return actor.evaluate.remote(task_ref, theta_ref, round_index)
-
-        return self.calls.run(range(len(self.pool.slot_of)), evaluate, round_index)
-
     def share_aggregators(self) -> RayAggregators:
         """The evaluation's aggregator actors (started on first use, stopped by :meth:`close`)."""
         if self.aggregators is None:
@@ -296,26 +302,8 @@ def ray_executor(fed: Federation, runtime_env: Optional[dict] = None, session: O
     return executor
 
 
-class RayTaskEngine(ActorEngine):
-    """Runs client tasks on task-host actors (implements :class:`rfedray.federated.engine.Engine`).
-
-    Answers every client of the cohort in cohort order, as the local engine does, so that a loop
-    combining the answers in that order computes the same bits on both engines.
-    """
-
-    def run(self, cohort: Sequence[int], task: ClientTask, theta: Params, round_index: int) -> dict[int, Any]:
-        """``task`` on every client of ``cohort``, on the actors hosting them, within the round deadline."""
-        theta_ref, task_ref = ray.put(theta), ray.put(task)
-
-        def run(actor, members: list[int]) -> ray.ObjectRef:
-            return actor.run.remote(members, task_ref, theta_ref, round_index)
-
-        answers = self.calls.run(cohort, run, round_index)
-        return {cid: answers[cid] for cid in cohort}
-
-
 def ray_task_engine(spec: TaskSpec, n_clients: int, num_hosts: int,
-                    timeout_s: float = RayConfig.round_timeout_s) -> RayTaskEngine:
+                    timeout_s: float = RayConfig.round_timeout_s) -> ActorEngine:
     """A Ray engine of ``num_hosts`` task-host actors (one CPU and one torch thread each) over
     ``n_clients`` clients built from ``spec``; Ray connected (``RAY_ADDRESS``) or started.
 
@@ -324,7 +312,7 @@ def ray_task_engine(spec: TaskSpec, n_clients: int, num_hosts: int,
     RfedrayError
         When Ray cannot be reached or the actors cannot start.
     """
-    engine = RayTaskEngine(RaySession.open(None), timeout_s)
+    engine = ActorEngine(RaySession.open(None), timeout_s)
     try:
         hosts = Config(ray=RayConfig(num_client_actors=min(num_hosts, n_clients), num_cpus_per_actor=1.0,
                                      device="cpu", round_timeout_s=timeout_s))

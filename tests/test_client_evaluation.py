@@ -53,8 +53,8 @@ class SomeClients:
     def __init__(self, executor, client_ids):
         self.executor, self.client_ids = executor, client_ids
 
-    def evaluate_clients(self, task, theta, round_index):
-        return self.executor.evaluate_clients(task, theta, round_index, self.client_ids)
+    def run(self, cohort, task, theta, round_index):
+        return self.executor.run([cid for cid in cohort if cid in self.client_ids], task, theta, round_index)
 
     def share_aggregators(self):
         return self.executor.share_aggregators()

@@ -199,7 +199,7 @@ def test_the_secret_detector_sees_a_leak(setup):
 ACTOR_CALLS = {
     "train": lambda actor, theta: actor.train.remote([CLIENT], theta, 0, {}),
     "describe": lambda actor, theta: actor.describe.remote(),
-    "evaluate": lambda actor, theta: actor.evaluate.remote(EvaluationTask(FixedPointCodec(), LocalAggregators(2)), theta, 0),
+    "run": lambda actor, theta: actor.run.remote([0, CLIENT], EvaluationTask(FixedPointCodec(), LocalAggregators(2)), theta, 0),
 }
 """How to call each public method of the client actor (through Ray, as the server does)."""
 
@@ -245,7 +245,7 @@ EEG = [
 
 
 def test_a_clients_test_result_reaches_the_server_only_as_shares(ray_session, tmp_path):
-    """On Ray the server calls ``ClientActor.evaluate``: it answers the metrics' names only, the values
+    """On Ray the server calls ``ClientActor.run`` with the evaluation task: it answers the metrics' names only, the values
     go as secret shares to the aggregators, and an aggregator refuses to sum one client's shares
     alone; over two clients the server decodes their sum, the metrics of the union of their splits."""
     from actors.aggregators import RayAggregators
@@ -269,7 +269,7 @@ def test_a_clients_test_result_reaches_the_server_only_as_shares(ray_session, tm
         task = EvaluationTask(codec, aggregators)
         names = tuple(sorted(own[0][1]))
         for round_index in (0, 1):
-            answer = ray_session.get(actor.evaluate.remote(task, theta, round_index), timeout=120)
+            answer = ray_session.get(actor.run.remote([0, 1], task, theta, round_index), timeout=120)
             assert answer == {0: names, 1: names}  # names only: the values left as shares
             assert not leaks(answer, found)
             assert aggregators.received(round_index) == [[0, 1], [0, 1]]

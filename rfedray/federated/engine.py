@@ -9,27 +9,24 @@ cohort and answers every client with its release or a
 never a crashed federation).
 
 * :class:`LocalEngine`: one host of every client, in this process.
-* ``actors.engine.RayTaskEngine``: hosts in client actors, each building its sticky block of
+* ``actors.engine.ActorEngine``: hosts in client actors, each building its sticky block of
   clients' data itself from a :class:`TaskSpec` (records never travel), within the round deadline,
   restarted by Ray when they die (Ray lives in ``actors/`` only).
 
 The M-estimation strategies (:mod:`rfedray.mestimation`) and DDP-SA (:mod:`rfedray.ddpsa`) run on
-these engines (:func:`run_task_rounds`: their rounds on the federation loop, charged to their privacy
-plan); DP-RFedProj's clients run on :mod:`rfedray.federated.executor` and its Ray executor.
+these engines (:func:`rfedray.federated.rounds.run_task_rounds`: their rounds on the federation loop,
+charged to their privacy plan); DP-RFedProj's clients run on :mod:`rfedray.federated.executor` (a
+:class:`ClientHost`) and its Ray executor, which also run the clients' evaluation as a client task.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from rfedray.federated.client import ClientFailure
-from rfedray.federated.rounds import Outcome, Strategy, run_rounds
-from rfedray.privacy.plan import PrivacyPlan
-from rfedray.privacy.statement import statement
 from rfedray.task import ClientData, FederatedDataset, FederatedModel, Params
 
 log = logging.getLogger(__name__)
@@ -89,32 +86,40 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+def dropout(exc: BaseException, message: str, *args: object) -> ClientFailure:
+    """The failure a client that raised ``exc`` answers: only the exception's type. Its message, which
+    may quote records, goes with the traceback to the log of the process hosting the client."""
+    log.exception(message, *args)
+    return ClientFailure(type(exc).__name__)
+
+
 class ClientHost:
-    """Holds some clients' partitions and states, and runs tasks on them (in-process or as an actor).
+    """Holds some clients (records, model, what each keeps between rounds) and runs tasks on them:
+    the local engine, the local executor and both kinds of client actor are hosts.
 
     Parameters
     ----------
-    spec : TaskSpec or None
-        Builds the dataset and the model (unused when both are given).
+    dataset : FederatedDataset
+    model : FederatedModel
     client_ids : sequence of int
-        The clients this host owns; a client's data is loaded the first time it is asked for.
-    dataset : FederatedDataset, optional
-        An already built dataset (local engine); rebuilt from ``spec`` otherwise.
+        The clients this host owns; a client is built (:meth:`build`) the first time it is asked for.
     """
 
-    def __init__(self, spec: Optional[TaskSpec], client_ids: Sequence[int], dataset: Optional[FederatedDataset] = None,
-                 model: Optional[FederatedModel] = None):
-        self._dataset = dataset if dataset is not None else spec.build_dataset()
-        self._model = model if model is not None else spec.build_model(self._dataset.info)
+    def __init__(self, dataset: FederatedDataset, model: FederatedModel, client_ids: Sequence[int]):
+        self.dataset, self.model = dataset, model
         self.client_ids = sorted(int(c) for c in client_ids)
         self._owned = set(self.client_ids)
-        self._clients: dict[int, HostedClient] = {}
+        self._clients: dict[int, Any] = {}
 
-    def client(self, client_id: int) -> HostedClient:
+    def build(self, client_id: int) -> Any:
+        """A client task's view of a client (:class:`HostedClient`)."""
+        return HostedClient(client_id, self.dataset.client_data(client_id), self.model)
+
+    def client(self, client_id: int) -> Any:
         if client_id not in self._owned:
             raise ValueError(f"client_id={client_id}: not hosted here (hosts {sorted(self._owned)})")
         if client_id not in self._clients:
-            self._clients[client_id] = HostedClient(client_id, self._dataset.client_data(client_id), self._model)
+            self._clients[client_id] = self.build(client_id)
         return self._clients[client_id]
 
     def run(self, client_ids: Sequence[int], task: ClientTask, theta: Params, round_index: int) -> dict[int, Any]:
@@ -124,19 +129,18 @@ class ClientHost:
             try:
                 results[cid] = task(self.client(cid), theta, round_index)
             except Exception as exc:  # a failing client is a dropout, never a crashed federation
-                log.exception("client %d failed in round %d", cid, round_index)
-                results[cid] = ClientFailure(type(exc).__name__)  # the type only: its message may hold records
+                results[cid] = dropout(exc, "client %d failed in round %d", cid, round_index)
         return results
+
+    def close(self) -> None:
+        self._clients.clear()
 
 
 class LocalEngine(ClientHost):
     """Every client in this process, on the dataset and model the caller already built: one host of all."""
 
     def __init__(self, dataset: FederatedDataset, model: FederatedModel):
-        super().__init__(None, range(dataset.num_clients), dataset, model)
-
-    def close(self) -> None:
-        self._clients.clear()
+        super().__init__(dataset, model, range(dataset.num_clients))
 
 
 def check_task_run(sizes: Sequence[int], clients_per_round: int, batch_size: int, rounds: int,
@@ -149,28 +153,3 @@ def check_task_run(sizes: Sequence[int], clients_per_round: int, batch_size: int
         raise ValueError(f"batch_size={batch_size}: must be between 1 and the smallest client's record count ({min(sizes)})")
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: must be >= 1")
-
-
-def run_task_rounds(strategy: Strategy, plan: PrivacyPlan, theta: Params, sizes: Sequence[int], *, rounds: int,
-                    seed: int, clients_per_round: int,
-                    on_round: Optional[Callable[[dict], None]] = None) -> tuple[Outcome, dict]:
-    """Rounds ``0 .. rounds - 1`` of a client-task ``strategy`` on the federation loop, charged to
-    ``plan.ledger(sizes)``; the outcome and the summary every such run writes (rounds, halt, the
-    privacy spent and what it covers, wall time), which the system completes.
-
-    ``on_round`` receives every round's record.
-    """
-    ledger = plan.ledger(sizes)
-    started = time.perf_counter()
-    outcome = run_rounds(strategy, ledger, theta, first=0, last=rounds, seed=seed, n_clients=len(sizes),
-                         clients_per_round=clients_per_round,
-                         on_round=None if on_round is None else lambda record, theta, auth: on_round(record))
-    private = plan.private
-    return outcome, {
-        "rounds_completed": outcome.rounds_completed, "rounds_planned": rounds,
-        "halted": outcome.halted, "halt_reason": outcome.halt_reason,
-        "epsilon_target": plan.epsilon_target, "delta": plan.delta if private else None,
-        "epsilon_spent": ledger.epsilon_spent(), "accountant": plan.accountant if private else None,
-        **(statement() if private else {}), "not_for_production": private and plan.noise_seed is not None,
-        "wall_seconds": time.perf_counter() - started,
-    }

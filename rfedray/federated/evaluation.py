@@ -136,8 +136,8 @@ class ClientTestEvaluation:
     Parameters
     ----------
     hosts : Executor
-        The engine (:class:`~rfedray.federated.executor.Executor`): its ``evaluate_clients`` runs the
-        task where each client is hosted, and its ``share_aggregators`` receive the shares.
+        The engine (:class:`~rfedray.federated.executor.Executor`): its ``run`` runs the task where
+        each client is hosted, and its ``share_aggregators`` receive the shares.
     n_clients : int
         Clients of the federation (the codec's ``max_parties``).
     """
@@ -156,7 +156,7 @@ class ClientTestEvaluation:
             return Evaluated(None, {"evaluated_clients": 0})
         if self._task is None:
             self._task = EvaluationTask(self.codec, self.hosts.share_aggregators())
-        answers = self.hosts.evaluate_clients(self._task, theta, round_index)
+        answers = self.hosts.run(range(self.n_clients), self._task, theta, round_index)
         # Every client answered that it holds no test split: none ever will (the data are fixed).
         self._no_test_splits = len(answers) == self.n_clients and all(a is None for a in answers.values())
         layouts = {cid: a for cid, a in sorted(answers.items()) if isinstance(a, tuple)}

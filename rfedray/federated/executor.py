@@ -1,7 +1,7 @@
 """How the clients of a cohort are run: the engine behind the federation loop.
 
 The loop (:mod:`rfedray.federated.loop`) calls :meth:`Executor.train` and, to evaluate on the
-clients' own test splits, :meth:`Executor.evaluate_clients` (:mod:`rfedray.federated.evaluation`). The local executor
+clients' own test splits, :meth:`Executor.run` (:mod:`rfedray.federated.evaluation`). The local executor
 runs the clients in this process, several at once where their optimiser states allow it
 (:func:`~rfedray.federated.client.train_together`); the Ray executor (``actors``) sends the same calls to client
 actors, each of which runs a local executor over its own clients. Both return, per client, a
@@ -11,12 +11,13 @@ actors, each of which runs a local executor over its own clients. Both return, p
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
+from typing import Mapping, Optional, Protocol, Sequence
 
 from rfedray.config import Config
 from rfedray.ddpsa.secure_aggregation import AggregatorGroup, LocalAggregators
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import Client, ClientFailure, LocalPlan, LocalResult, batch_key, train_together
+from rfedray.federated.engine import ClientHost, Engine, dropout
 from rfedray.federated.evaluation import NUM_AGGREGATORS
 from rfedray.federated.setup import build_client
 from rfedray.task import FederatedDataset, FederatedModel, Params
@@ -24,34 +25,23 @@ from rfedray.task import FederatedDataset, FederatedModel, Params
 log = logging.getLogger(__name__)
 
 
-class Executor(Protocol):
-    """Runs the local training of a cohort."""
+class Executor(Engine, Protocol):
+    """Runs the local training of a cohort; its :meth:`~rfedray.federated.engine.Engine.run` runs a
+    client task where each client is hosted (the evaluation on the clients' test splits,
+    :mod:`rfedray.federated.evaluation`; a client that raises answers a ClientFailure)."""
 
     def train(
         self, cohort: Sequence[int], theta: Params, round_index: int, states: Mapping[int, dict]
     ) -> dict[int, LocalResult | ClientFailure]:
         """Local training of every client of ``cohort`` from ``theta``."""
 
-    def evaluate_clients(self, task: Callable, theta: Params, round_index: int) -> dict[int, Any]:
-        """``task(client, theta, round_index)`` on every client of the federation, where it is hosted
-        (:mod:`rfedray.federated.evaluation`); a client that raises answers a ClientFailure."""
-
     def share_aggregators(self) -> AggregatorGroup:
         """The secure-aggregation group the clients' shares go to (closed with the engine)."""
 
-    def close(self) -> None:
-        """Release the engine's resources."""
 
-
-def _dropout(exc: BaseException, message: str, *args: object) -> ClientFailure:
-    """The failure a client that raised ``exc`` answers: only the exception's type. Its message, which
-    may quote records, goes with the traceback to the log of the process hosting the client."""
-    log.exception(message, *args)
-    return ClientFailure(type(exc).__name__)
-
-
-class LocalExecutor:
-    """Every client in this process; a client's data is loaded by :meth:`load` or the first time it is needed.
+class LocalExecutor(ClientHost):
+    """Clients in this process (a :class:`~rfedray.federated.engine.ClientHost` of :class:`Client` s);
+    a client's data is loaded by :meth:`load` or the first time it is needed.
 
     The clients of a cohort are grouped by the structure of their optimiser states
     (:func:`~rfedray.federated.client.batch_key`) and each group is trained together by
@@ -73,20 +63,16 @@ class LocalExecutor:
     """
 
     def __init__(self, cfg: Config, dataset: FederatedDataset, model: FederatedModel, plan: LocalPlan,
-                 vectorise: bool = True):
-        self.cfg, self.dataset, self.model, self.plan = cfg, dataset, model, plan
-        self.vectorise = vectorise
-        self._clients: dict[int, Client] = {}
+                 vectorise: bool = True, client_ids: Optional[Sequence[int]] = None):
+        super().__init__(dataset, model, range(cfg.federation.n_clients) if client_ids is None else client_ids)
+        self.cfg, self.plan, self.vectorise = cfg, plan, vectorise
         self._declared: Optional[list[int]] = None
         self._aggregators: Optional[LocalAggregators] = None
 
-    def client(self, client_id: int) -> Client:
-        if client_id not in self._clients:
-            if self._declared is None:
-                self._declared = [int(m) for m in self.dataset.client_sizes()]
-            self._clients[client_id] = build_client(self.cfg, client_id, self.dataset, self.model, self.plan,
-                                                    self._declared[client_id])
-        return self._clients[client_id]
+    def build(self, client_id: int) -> Client:
+        if self._declared is None:
+            self._declared = [int(m) for m in self.dataset.client_sizes()]
+        return build_client(self.cfg, client_id, self.dataset, self.model, self.plan, self._declared[client_id])
 
     def load(self, client_ids: Sequence[int], log_name: str = "this process's log") -> None:
         """Load and check the records (training and test split) of every client of ``client_ids`` now,
@@ -116,7 +102,7 @@ class LocalExecutor:
             try:
                 key = batch_key(self.client(cid), states.get(cid)) if self.vectorise else cid
             except Exception as exc:  # a failing client is a dropout, never a crashed federation
-                results[cid] = _dropout(exc, "client %d failed in round %d", cid, round_index)
+                results[cid] = dropout(exc, "client %d failed in round %d", cid, round_index)
                 continue
             groups.setdefault(key, []).append(cid)
         for members in groups.values():
@@ -138,22 +124,9 @@ class LocalExecutor:
         try:
             return self.client(cid).local_train(theta, round_index, state)
         except Exception as exc:  # a failing client is a dropout, never a crashed federation
-            return _dropout(exc, "client %d failed in round %d", cid, round_index)
-
-    def evaluate_clients(self, task, theta, round_index, client_ids: Optional[Sequence[int]] = None):
-        """``task`` on every client (or those of ``client_ids``), in this process."""
-        answers: dict[int, Any] = {}
-        for cid in range(self.cfg.federation.n_clients) if client_ids is None else client_ids:
-            try:
-                answers[cid] = task(self.client(cid), theta, round_index)
-            except Exception as exc:
-                answers[cid] = _dropout(exc, "client %d: evaluation failed in round %d", cid, round_index)
-        return answers
+            return dropout(exc, "client %d failed in round %d", cid, round_index)
 
     def share_aggregators(self) -> AggregatorGroup:
         if self._aggregators is None:
             self._aggregators = LocalAggregators(NUM_AGGREGATORS)
         return self._aggregators
-
-    def close(self) -> None:
-        self._clients.clear()

@@ -28,13 +28,15 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from rfedray.config import Config
 from rfedray.federated.client import LocalResult
 from rfedray.federated.executor import Executor
 from rfedray.federated.server import Server, cohort
 from rfedray.privacy.ledger import Authorization
+from rfedray.privacy.plan import PrivacyPlan
+from rfedray.privacy.statement import statement
 from rfedray.task import Params
 
 log = logging.getLogger(__name__)
@@ -179,3 +181,28 @@ class DPRFedProj(Strategy):
             **evaluated,
             **{f"metric_{k}": v for k, v in self.last_metrics.items()},
         }
+
+
+def run_task_rounds(strategy: Strategy, plan: PrivacyPlan, theta: Params, sizes: Sequence[int], *, rounds: int,
+                    seed: int, clients_per_round: int,
+                    on_round: Optional[Callable[[dict], None]] = None) -> tuple[Outcome, dict]:
+    """Rounds ``0 .. rounds - 1`` of a client-task ``strategy`` on the federation loop, charged to
+    ``plan.ledger(sizes)``; the outcome and the summary every such run writes (rounds, halt, the
+    privacy spent and what it covers, wall time), which the system completes.
+
+    ``on_round`` receives every round's record.
+    """
+    ledger = plan.ledger(sizes)
+    started = time.perf_counter()
+    outcome = run_rounds(strategy, ledger, theta, first=0, last=rounds, seed=seed, n_clients=len(sizes),
+                         clients_per_round=clients_per_round,
+                         on_round=None if on_round is None else lambda record, theta, auth: on_round(record))
+    private = plan.private
+    return outcome, {
+        "rounds_completed": outcome.rounds_completed, "rounds_planned": rounds,
+        "halted": outcome.halted, "halt_reason": outcome.halt_reason,
+        "epsilon_target": plan.epsilon_target, "delta": plan.delta if private else None,
+        "epsilon_spent": ledger.epsilon_spent(), "accountant": plan.accountant if private else None,
+        **(statement() if private else {}), "not_for_production": private and plan.noise_seed is not None,
+        "wall_seconds": time.perf_counter() - started,
+    }
