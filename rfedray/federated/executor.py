@@ -60,6 +60,8 @@ class LocalExecutor(ClientHost):
     vectorise : bool
         Train through :func:`~rfedray.federated.client.train_together` (default); ``False`` runs
         :meth:`Client.local_train` client after client (the kernel's one-client case, without ``vmap``).
+    client_ids : sequence of int, optional
+        The clients hosted here (a client actor's block); every client of the federation by default.
     """
 
     def __init__(self, cfg: Config, dataset: FederatedDataset, model: FederatedModel, plan: LocalPlan,

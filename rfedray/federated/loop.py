@@ -28,7 +28,6 @@ from rfedray.federated.setup import (
 )
 from rfedray.geometry import ProductManifold
 from rfedray.privacy.plan import PrivacyPlan
-from rfedray.privacy.statement import statement
 from rfedray.task import FederatedDataset, FederatedModel, Params
 
 log = logging.getLogger(__name__)
@@ -130,24 +129,16 @@ class Federation:
         summary = {
             "run_id": rd.run_id,
             "engine": cfg.run.engine,
-            "rounds_completed": outcome.rounds_completed,
-            "rounds_planned": cfg.run.rounds,
-            "epsilon_spent": ledger.epsilon_spent(),
+            **outcome.summary(self.privacy, ledger, cfg.run.rounds, started),
             "epsilon_target": cfg.privacy.epsilon if private else None,
-            "delta": self.privacy.delta if private else None,
             "sigma": self.privacy.sigma,
             "clip": cfg.privacy.clip if private else None,
-            "accountant": self.privacy.accountant if private else None,
             "private": private,
-            **(statement() if private else {}),
             "not_for_production": seeded,
-            "halted": outcome.halted,
-            "halt_reason": outcome.halt_reason,
             "final_metrics": strategy.last_metrics,
             "oracle_metrics": evaluation.oracle,
             "client_failures": strategy.counters["client_failures"],
             "submissions_rejected": strategy.counters["submissions_rejected"],
-            "wall_seconds": time.perf_counter() - started,
         }
         rd.write_model(outcome.theta)
         rd.write_json("summary.json", summary)

@@ -85,6 +85,19 @@ class Outcome:
     halt_reason: str = ""
     stopped_early: bool = False
 
+    def summary(self, plan: PrivacyPlan, ledger, rounds: int, started: float) -> dict:
+        """What every run's summary says (each system completes it): its rounds of ``rounds`` and
+        its halt, the privacy spent on ``ledger`` under ``plan`` and what it covers
+        (:func:`~rfedray.privacy.statement.statement`), the wall time since ``started`` (``time.perf_counter``)."""
+        private = plan.private
+        return {
+            "rounds_completed": self.rounds_completed, "rounds_planned": rounds,
+            "halted": self.halted, "halt_reason": self.halt_reason,
+            "epsilon_spent": ledger.epsilon_spent(), "delta": plan.delta if private else None,
+            "accountant": plan.accountant if private else None, **(statement() if private else {}),
+            "wall_seconds": time.perf_counter() - started,
+        }
+
 
 def run_rounds(strategy: Strategy, ledger, theta: Params, *, first: int, last: int, seed: int, n_clients: int,
                clients_per_round: int,
@@ -187,8 +200,8 @@ def run_task_rounds(strategy: Strategy, plan: PrivacyPlan, theta: Params, sizes:
                     seed: int, clients_per_round: int,
                     on_round: Optional[Callable[[dict], None]] = None) -> tuple[Outcome, dict]:
     """Rounds ``0 .. rounds - 1`` of a client-task ``strategy`` on the federation loop, charged to
-    ``plan.ledger(sizes)``; the outcome and the summary every such run writes (rounds, halt, the
-    privacy spent and what it covers, wall time), which the system completes.
+    ``plan.ledger(sizes)``; the outcome and its :meth:`Outcome.summary` with the target and whether
+    the noise was seeded, which the system completes.
 
     ``on_round`` receives every round's record.
     """
@@ -197,12 +210,5 @@ def run_task_rounds(strategy: Strategy, plan: PrivacyPlan, theta: Params, sizes:
     outcome = run_rounds(strategy, ledger, theta, first=0, last=rounds, seed=seed, n_clients=len(sizes),
                          clients_per_round=clients_per_round,
                          on_round=None if on_round is None else lambda record, theta, auth: on_round(record))
-    private = plan.private
-    return outcome, {
-        "rounds_completed": outcome.rounds_completed, "rounds_planned": rounds,
-        "halted": outcome.halted, "halt_reason": outcome.halt_reason,
-        "epsilon_target": plan.epsilon_target, "delta": plan.delta if private else None,
-        "epsilon_spent": ledger.epsilon_spent(), "accountant": plan.accountant if private else None,
-        **(statement() if private else {}), "not_for_production": private and plan.noise_seed is not None,
-        "wall_seconds": time.perf_counter() - started,
-    }
+    return outcome, {**outcome.summary(plan, ledger, rounds, started), "epsilon_target": plan.epsilon_target,
+                     "not_for_production": plan.private and plan.noise_seed is not None}
