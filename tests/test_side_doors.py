@@ -10,8 +10,8 @@
   ``not_for_production`` in its summary and ``rfedray_not_for_production 1`` in its metrics.
 
 * A client's own test result (:meth:`Client.evaluate_test`, called in the process hosting it) never
-  reaches the server: the client actor's ``evaluate`` answers the metrics' names only and sends the
-  values as secret shares, and an aggregator refuses to sum one client's shares alone.
+  reaches the server: the client actor's ``run`` of the evaluation task answers the metrics' names
+  only and sends the values as secret shares, and an aggregator refuses to sum one client's shares alone.
 
 (``tests/test_scrape.py`` checks the run's logs, metrics and summary.)
 """
@@ -153,7 +153,7 @@ CLIENT_CALLS = {
     "local_train": train_once,
     "num_records": lambda client, theta: client.num_records,
     # The client's own test result, for the process hosting it (here: no test split, None); what leaves
-    # that process is secret shares (ClientActor.evaluate, test_a_clients_test_result_...).
+    # that process is secret shares (ClientActor.run of the evaluation task, test_a_clients_test_result_...).
     "evaluate_test": lambda client, theta: client.evaluate_test(theta),
 }
 """How to call each public member of Client; the arguments are what any caller could pass."""
@@ -245,9 +245,9 @@ EEG = [
 
 
 def test_a_clients_test_result_reaches_the_server_only_as_shares(ray_session, tmp_path):
-    """On Ray the server calls ``ClientActor.run`` with the evaluation task: it answers the metrics' names only, the values
-    go as secret shares to the aggregators, and an aggregator refuses to sum one client's shares
-    alone; over two clients the server decodes their sum, the metrics of the union of their splits."""
+    """On Ray the server calls ``ClientActor.run`` with the evaluation task: it answers the metrics'
+    names only, the values go as secret shares to the aggregators, and an aggregator refuses to sum
+    one client's shares alone; over two clients the server decodes their sum, the metrics of the union of their splits."""
     from actors.aggregators import RayAggregators
     from actors.client_actor import RemoteClientActor
 
