@@ -94,6 +94,17 @@ def test_an_interrupted_study_reuses_finished_runs_and_reruns_the_others(tmp_pat
     assert "2/2 runs (1 reused" in capsys.readouterr().err
 
 
+def test_settings_that_make_the_same_run_share_it(tmp_path, capsys):
+    """run_grid runs each distinct override list once (two keys running the same directory at once
+    in a process pool would race), and every key gets its summary."""
+    from rfedray.studies.base import run_grid
+
+    done = run_grid({"a": TINY_JOBS[0], "b": TINY_JOBS[1], "a again": list(TINY_JOBS[0])}, tmp_path, workers=1)
+    assert done["a"] is done["a again"] and done["a"]["run_dir"] != done["b"]["run_dir"]
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
+    assert "2/2 runs" in capsys.readouterr().err
+
+
 def test_a_study_connected_to_ray_runs_each_job_as_a_ray_task(tmp_path):
     import os
 

@@ -204,9 +204,13 @@ def run_many(jobs: Sequence[list[str]], output_dir: Path, workers: Optional[int]
 
 
 def run_grid(jobs: dict, output_dir: Path, workers: Optional[int] = None) -> dict:
-    """:func:`run_many` over a mapping ``key -> overrides``; returns ``key -> summary``."""
-    keys = list(jobs)
-    return dict(zip(keys, run_many([jobs[k] for k in keys], output_dir, workers)))
+    """:func:`run_many` over a mapping ``key -> overrides``; returns ``key -> summary``.
+
+    Keys with the same overrides (two settings can make the same run, e.g. candidates that differ
+    only in a value a scale caps) share one run, in one directory, and its summary."""
+    distinct = list(dict.fromkeys(tuple(overrides) for overrides in jobs.values()))
+    done = dict(zip(distinct, run_many([list(o) for o in distinct], output_dir, workers)))
+    return {key: done[tuple(overrides)] for key, overrides in jobs.items()}
 
 
 def write_outputs(out_dir: Path, title: str, tables: Sequence[Table], figures: Sequence[str] = (), preface: str = "") -> Path:

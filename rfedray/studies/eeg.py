@@ -218,6 +218,14 @@ def smoothed(values: np.ndarray, window: int = 5) -> np.ndarray:
     return (sums - lagged) / counts
 
 
+def accuracy_curve(summary: dict) -> np.ndarray:
+    """Test accuracy (%) at every round a finished run evaluated, from its run directory's metrics."""
+    from rfedray.federated.rundir import RunDirectory
+
+    records = RunDirectory(summary["run_dir"]).read_metrics()
+    return 100.0 * np.array([r["metric_accuracy"] for r in records if "metric_accuracy" in r])
+
+
 def curves_panel(ax, curves: dict[int, list[np.ndarray]], chance_level: float, title: str) -> None:
     """Figure 7's panel: test accuracy (%) against round for each horizon ``T``, the mean over seeds
     (``curves[T]``, one array per seed) smoothed over 5 rounds with +-1 std, and the chance line."""
@@ -233,6 +241,14 @@ def curves_panel(ax, curves: dict[int, list[np.ndarray]], chance_level: float, t
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
+
+
+def accuracy_row(label: dict[str, Any], values: dict[str, Optional[list[float]]],
+                 paper: Optional[Sequence[tuple[float, float]]] = None) -> Row:
+    """A row of accuracies (%) by column, ``mean ± std`` over the seeds' ``values`` (``-`` for None),
+    beside the paper's ``(mean, std)`` of each column in order (none when ``paper`` is None)."""
+    return Row(label=label, ours={c: None if v is None else MeanStd(mean_std(v)) for c, v in values.items()},
+               paper={} if paper is None else {c: PaperValue(*v) for c, v in zip(values, paper)})
 
 
 def ranking(means: dict[str, float]) -> str:
@@ -287,19 +303,27 @@ class EEGStudy:
         path = self.config_path(model)
         return yaml.safe_load(path.read_text()), load_config(path, list(overrides))
 
+    def run_overrides(self, arm: Arm, seed: int, rounds: int, steps: int, evaluate_every: int,
+                      setting: Sequence[str] = (), extra: Sequence[str] = ()) -> list[str]:
+        """Overrides of one run: the arm's configuration file, the ``setting`` (clients, hyperparameters),
+        the horizon ``rounds`` (checkpointed at its end), ``steps`` local steps a round, the arm,
+        ``extra`` and the seed (of the initial model, the cohorts, the minibatches and the noise)."""
+        data, _ = self.base(arm.model)
+        return [
+            *flatten(data), f"run.name={self.name}", *setting, f"run.rounds={rounds}", f"federation.local_steps={steps}",
+            f"run.checkpoint_every={rounds}", f"run.evaluate_every={evaluate_every}", *arm.overrides, *extra,
+            f"run.seed={seed}", f"privacy.noise_seed={seed}",
+        ]
+
     def job(self, arm: Arm, sc: Scale, seed: int, extra: Sequence[str] = (), rounds: Optional[int] = None) -> list[str]:
         """Overrides of one run: the arm's configuration file, the scale, the arm, ``extra`` and the seed.
 
         The run evaluates the model at its last round only, unless ``extra`` says otherwise.
         """
-        data, cfg = self.base(arm.model)
+        cfg = self.base(arm.model)[1]
         horizon = rounds or sc.rounds or cfg.run.rounds
         steps = min(cfg.federation.local_steps, sc.max_local_steps or cfg.federation.local_steps)
-        return [
-            *flatten(data), f"run.name={self.name}", f"run.rounds={horizon}", f"run.checkpoint_every={horizon}",
-            f"run.evaluate_every={horizon}", f"federation.local_steps={steps}", *arm.overrides, *extra,
-            f"run.seed={seed}", f"privacy.noise_seed={seed}",
-        ]
+        return self.run_overrides(arm, seed, horizon, steps, horizon, extra=extra)
 
     def preface(self, sc: Scale, text: str) -> str:
         lines = [
@@ -363,11 +387,8 @@ class EEGCentralised(EEGStudy):
             label = arm.label
             series[label] = accuracies(over_seeds(summaries, (model,)))
             paper = TABLE6.get(self.dataset, {}).get(label)
-            rows.append(Row(
-                label={"dataset": self.dataset, "chance": chance(self.dataset), "model": label},
-                ours={"accuracy": MeanStd(mean_std(series[label]))},
-                paper={} if paper is None else {"accuracy": PaperValue(*paper)},
-            ))
+            rows.append(accuracy_row({"dataset": self.dataset, "chance": chance(self.dataset), "model": label},
+                                     {"accuracy": series[label]}, None if paper is None else [paper]))
         text = "A centralised run is one client holding every training trial, one round per epoch:\n\n" + "\n".join(
             f"- {MODELS[m].label}: N = {p['N']} training trials, B = {p['B']}, local_steps = round(N / B) = {p['steps']}, "
             f"T = {p['T']} epochs = rounds (at scale full), learning rates {p['lr']}" for m, (_, p) in plans.items())
@@ -411,12 +432,9 @@ class EEGFederated(EEGStudy):
             paper = paper_table.get(self.dataset, {})
             rows = []
             for arm in arms:
-                ref = paper.get(arm.label)
-                rows.append(Row(
-                    label={"dataset": self.dataset, "chance": chance(self.dataset), "arm": arm.label},
-                    ours={c: MeanStd(mean_std(accuracies(over_seeds(summaries, (title, arm.label, c))))) for c in PRIVACY_COLUMNS},
-                    paper={} if ref is None else {c: PaperValue(*v) for c, v in zip(PRIVACY_COLUMNS, ref)},
-                ))
+                rows.append(accuracy_row({"dataset": self.dataset, "chance": chance(self.dataset), "arm": arm.label},
+                                         {c: accuracies(over_seeds(summaries, (title, arm.label, c))) for c in PRIVACY_COLUMNS},
+                                         paper.get(arm.label)))
                 for column in list(PRIVACY_COLUMNS)[1:]:
                     runs = over_seeds(summaries, (title, arm.label, column))
                     noise.append(Row(
@@ -483,12 +501,9 @@ class EEGPriRFed(EEGStudy):
             runs = over_seeds(summaries, (arm.label,))
             values[arm.label] = accuracies(runs)
             ref = paper.get(arm.label)
-            rows.append(Row(
-                label={"arm": arm.label, "accounting": runs[0]["accountant"], "chance": chance(self.dataset)},
-                ours={"accuracy ε=20": MeanStd(mean_std(values[arm.label])), "sigma": runs[0]["sigma"],
-                      "max epsilon spent": max(r["epsilon_spent"] for r in runs)},
-                paper={} if ref is None else {"accuracy ε=20": PaperValue(*ref[1])},
-            ))
+            rows.append(accuracy_row({"arm": arm.label, "accounting": runs[0]["accountant"], "chance": chance(self.dataset)},
+                                     {"accuracy ε=20": values[arm.label]}, None if ref is None else [ref[1]]))
+            rows[-1].ours.update({"sigma": runs[0]["sigma"], "max epsilon spent": max(r["epsilon_spent"] for r in runs)})
         ratio = rows[-1].ours["sigma"] / rows[-2].ours["sigma"]
         text = (f"sigma PriRFed / sigma ours = {ratio:.2f} for this mechanism (Figure 4(b): 5 to 6 times for the mechanism of "
                 "Table 4; `rfedray experiment noise-ratio`). The paper draws Figure 4(a) as a figure; the values beside our three "
@@ -515,8 +530,6 @@ class EEGCurves(EEGStudy):
     arms = (PROJAVG, EEGNET)
 
     def run(self, out: Path, scale: str, workers=None, seeds=None) -> Path:
-        from rfedray.federated.rundir import RunDirectory
-
         sc = replace(SCALES[scale], seeds=seeds or SCALES[scale].seeds)
         horizons = {arm.label: sc.rounds or self.base(arm.model)[1].run.rounds for arm in self.arms}
         jobs = {
@@ -527,8 +540,7 @@ class EEGCurves(EEGStudy):
         summaries = run_grid(jobs, out / "runs", workers)
         curves: dict[tuple[str, int], list[np.ndarray]] = {}
         for (label, rounds, _), summary in summaries.items():
-            records = [r for r in RunDirectory(summary["run_dir"]).read_metrics() if "metric_accuracy" in r]
-            curves.setdefault((label, rounds), []).append(100.0 * np.array([r["metric_accuracy"] for r in records]))
+            curves.setdefault((label, rounds), []).append(accuracy_curve(summary))
         rows = [Row(label={"arm": label, "T": rounds, "chance": chance(self.dataset)},
                     ours={"accuracy at T": MeanStd(mean_std([float(c[-1]) for c in runs])),
                           "sigma": over_seeds(summaries, (label, rounds))[0]["sigma"]})

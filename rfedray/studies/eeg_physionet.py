@@ -46,12 +46,13 @@ import numpy as np
 
 from rfedray.studies.base import Row, Table, mean_std, pyplot, run_grid, save_figure, write_outputs
 from rfedray.studies.eeg import (
-    EEGNET, PRIRFED, PROJAVG, RETAVG, RLAVG, Arm, EEGStudy, MeanStd, PaperValue, PRIVACY_COLUMNS, TABLE6, TABLE7,
-    TABLE8, accuracies, curves_panel, flatten,
+    EEGNET, PRIRFED, PROJAVG, RETAVG, RLAVG, Arm, EEGStudy, MeanStd, PRIVACY_COLUMNS, TABLE6, TABLE7,
+    TABLE8, accuracies, accuracy_curve, accuracy_row, curves_panel,
 )
 
 SUBJECTS = tuple(range(1, 18))
 """The subjects of the offline copy (S001-S017)."""
+SUBJECTS_OVERRIDE = f"data.options.subjects=[{','.join(map(str, SUBJECTS))}]"
 
 
 @dataclass(frozen=True)
@@ -150,17 +151,6 @@ docs/results/eeg-physionet/analysis.md), and a clip at or above the median per-r
 public filters). EEGNet has its own, smaller grid: its private step costs about 60 times SPDNet's."""
 
 
-def run_unique(jobs: dict[tuple, list[str]], out: Path, workers: Optional[int]) -> dict[tuple, dict]:
-    """:func:`run_grid` over the distinct override lists of ``jobs`` (two settings can make the same
-    run, e.g. candidates that differ only in a value a scale caps): each runs once, in its own
-    directory, and every key gets its summary."""
-    distinct: dict[tuple[str, ...], tuple] = {}
-    for key, overrides in jobs.items():
-        distinct.setdefault(tuple(overrides), key)
-    done = run_grid({key: list(overrides) for overrides, key in distinct.items()}, out, workers)
-    return {key: done[distinct[tuple(overrides)]] for key, overrides in jobs.items()}
-
-
 def grouping_label(n: int) -> str:
     sizes = sorted({len(g) for g in np.array_split(np.asarray(SUBJECTS), n)})
     return f"{n} client{'s' if n > 1 else ''} of {'-'.join(map(str, sizes))} subject{'s' if sizes[-1] > 1 else ''}"
@@ -188,13 +178,10 @@ class HyperparameterSearch:
         grid = GRIDS[arm.model][: self.scale.max_candidates]
         if column != "non-private":
             return grid
-        seen, unique = set(), []
+        first: dict[tuple[str, ...], Candidate] = {}
         for c in grid:
-            key = tuple(c.overrides(drop=NONPRIVATE_ONLY_IRRELEVANT))
-            if key not in seen:
-                seen.add(key)
-                unique.append(c)
-        return unique
+            first.setdefault(tuple(c.overrides(drop=NONPRIVATE_ONLY_IRRELEVANT)), c)
+        return list(first.values())
 
     def jobs(self, settings: Sequence[tuple[int, Arm, str]]) -> dict[tuple, list[str]]:
         """Search runs of every (grouping, arm, column): ``key -> overrides``."""
@@ -256,7 +243,6 @@ class EEGPhysionet(EEGStudy):
         """Overrides of one run: the arm's configuration file on ``n`` clients, the candidate's values
         (capped by the scale), the budget, the cohort size, the seed. Test runs evaluate every round
         (Figure 7's curves come with them); search runs evaluate the validation split at the end."""
-        data, _ = self.base(arm.model)
         horizon = rounds or candidate.get("run.rounds")
         if scale.max_rounds is not None:
             horizon = min(horizon, scale.max_rounds) if rounds is None else rounds
@@ -264,13 +250,8 @@ class EEGPhysionet(EEGStudy):
         if scale.max_local_steps is not None:
             steps = min(steps, scale.max_local_steps)
         drop = ("run.rounds", "federation.local_steps", *(NONPRIVATE_ONLY_IRRELEVANT if column == "non-private" else ()))
-        overrides = [
-            *flatten(data), f"run.name={self.name}", f"data.options.subjects=[{','.join(map(str, SUBJECTS))}]",
-            f"federation.n_clients={n}", f"federation.clients_per_round={cohort or n}", *candidate.overrides(drop),
-            f"run.rounds={horizon}", f"federation.local_steps={steps}", f"run.checkpoint_every={horizon}",
-            f"run.evaluate_every={horizon if search else 1}", *arm.overrides, *PRIVACY_COLUMNS[column],
-            f"run.seed={seed}", f"privacy.noise_seed={seed}",
-        ]
+        setting = (SUBJECTS_OVERRIDE, f"federation.n_clients={n}", f"federation.clients_per_round={cohort or n}", *candidate.overrides(drop))
+        overrides = self.run_overrides(arm, seed, horizon, steps, horizon if search else 1, setting, PRIVACY_COLUMNS[column])
         if n == 1:  # one client holding everything: the server evaluates (a secure sum needs two clients)
             overrides.append("run.test_set=server")
         return overrides + (["data.options.evaluate_on=validation"] if search else [])
@@ -318,25 +299,25 @@ class EEGPhysionet(EEGStudy):
         started = time.perf_counter()
         search = HyperparameterSearch(self, sc)
         settings = self.settings(sc)
-        search_runs = run_unique(search.jobs(settings), out / "search", workers)
+        search_runs = run_grid(search.jobs(settings), out / "search", workers)
         chosen = search.choose(settings, search_runs)
         (out / "search.json").write_text(json.dumps(
             {f"{n} clients | {arm} | {column}": {"chosen": c["candidate"].describe(), "validation accuracy": c["validation"],
                                                 "candidates": c["scores"]}
              for (n, arm, column), c in chosen.items()}, indent=1))
-        runs = run_unique(self.plan(sc, chosen), out / "runs", workers)
+        runs = run_grid(self.plan(sc, chosen), out / "runs", workers)
         reference = self.reference()
         elapsed = time.perf_counter() - started
         report = Report(self, sc, chosen, runs, reference, search.cost(search_runs), search.cost(runs), elapsed)
         return report.write(out)
 
-    def client_sizes(self, n: int) -> list[int]:
-        """Training trials of each of ``n`` clients (from the cache)."""
+    def dataset_of(self, n: int, *overrides: str):
+        """The SPDNet configuration's dataset on the 17 subjects, cut into ``n`` clients (all taking part;
+        its client sizes come from the cache)."""
         from rfedray.federated.setup import build_dataset
 
-        _, cfg = self.base("spdnet", [f"data.options.subjects=[{','.join(map(str, SUBJECTS))}]", f"federation.n_clients={n}",
-                                      f"federation.clients_per_round={n}"])
-        return build_dataset(cfg).client_sizes()
+        return build_dataset(self.base("spdnet", [SUBJECTS_OVERRIDE, f"federation.n_clients={n}",
+                                                  f"federation.clients_per_round={n}", *overrides])[1])
 
     def reference(self) -> dict[str, float]:
         """The pyriemann reference on the fixed split, fitted on the pooled training trials of all
@@ -347,13 +328,9 @@ class EEGPhysionet(EEGStudy):
         from sklearn.linear_model import LogisticRegression
         from sklearn.pipeline import make_pipeline
 
-        from rfedray.federated.setup import build_dataset
-
         found = {}
         for label, channels in (("configured channels", []), ("all 64 channels", ["data.options.channels=null"])):
-            _, cfg = self.base("spdnet", [f"data.options.subjects=[{','.join(map(str, SUBJECTS))}]", "federation.n_clients=1",
-                                          "federation.clients_per_round=1", *channels])
-            dataset = build_dataset(cfg)
+            dataset = self.dataset_of(1, *channels)
             x, y = (t.double().numpy() if t.is_floating_point() else t.numpy() for t in dataset.client_data(0).train)
             xt, yt = (t.double().numpy() if t.is_floating_point() else t.numpy() for t in dataset.eval_data().tensors)
             pipeline = make_pipeline(TangentSpace(metric="riemann"), LogisticRegression(C=1.0, max_iter=5000)).fit(x, y)
@@ -426,27 +403,21 @@ class Report:
         self.study, self.scale, self.chosen, self.runs = study, scale, chosen, runs
         self.reference, self.search_cost, self.run_cost, self.elapsed = reference, search_cost, run_cost, elapsed
 
-    def values(self, n: int, k: int, arm: str, column: str, rounds: Optional[int] = None) -> list[float]:
-        """Last-round test accuracies (%) of a setting, in seed order."""
-        rounds = rounds or self.study.horizon(self.chosen, n, next(a for a in EEGPhysionet.full_arms if a.label == arm), column, self.scale)
-        return accuracies([self.runs[(n, k, arm, column, rounds, seed)] for seed in range(self.scale.seeds)])
-
     def summaries(self, n: int, k: int, arm: Arm, column: str) -> list[dict]:
+        """The test runs of a setting at its chosen horizon, in seed order."""
         rounds = self.study.horizon(self.chosen, n, arm, column, self.scale)
         return [self.runs[(n, k, arm.label, column, rounds, seed)] for seed in range(self.scale.seeds)]
+
+    def values(self, n: int, k: int, arm: Arm, column: str) -> list[float]:
+        """Last-round test accuracies (%) of a setting, in seed order."""
+        return accuracies(self.summaries(n, k, arm, column))
 
     # -- tables -------------------------------------------------------------------------------
 
     def federated_table(self, n: int, k: int, arms: Sequence[Arm], title: str, paper: dict) -> Table:
-        rows = []
-        for arm in arms:
-            columns = EEGPhysionet.columns(arm)
-            ref = paper.get(arm.label)
-            rows.append(Row(
-                label={"clients": grouping_label(n), "k": k, "arm": arm.label},
-                ours={c: MeanStd(mean_std(self.values(n, k, arm.label, c))) if c in columns else None for c in PRIVACY_COLUMNS},
-                paper={} if ref is None else {c: PaperValue(*v) for c, v in zip(PRIVACY_COLUMNS, ref)},
-            ))
+        rows = [accuracy_row({"clients": grouping_label(n), "k": k, "arm": arm.label},
+                             {c: self.values(n, k, arm, c) if c in EEGPhysionet.columns(arm) else None for c in PRIVACY_COLUMNS},
+                             paper.get(arm.label)) for arm in arms]
         return Table(title, rows, note=(
             f"Chance 50.0 %. pyriemann reference on the same split (covariances, tangent space, logistic regression, "
             f"non-private, pooled): {self.reference['configured channels']:.1f} % on the configured "
@@ -454,11 +425,8 @@ class Report:
             "The paper's values are Cho2017's (two classes, 64 channels), the closest of its datasets; it has no PhysionetMI column."))
 
     def centralised_table(self) -> Table:
-        rows = []
-        for arm, label in ((PROJAVG, "SPDNet"), (EEGNET, "EEGNet")):
-            rows.append(Row(label={"model": label, "clients": grouping_label(1)},
-                            ours={"accuracy": MeanStd(mean_std(self.values(1, 1, arm.label, "non-private")))},
-                            paper={"accuracy": PaperValue(*TABLE6["Cho2017"][label])}))
+        rows = [accuracy_row({"model": label, "clients": grouping_label(1)}, {"accuracy": self.values(1, 1, arm, "non-private")},
+                             [TABLE6["Cho2017"][label]]) for arm, label in ((PROJAVG, "SPDNet"), (EEGNET, "EEGNet"))]
         rows.append(Row(label={"model": "pyriemann reference", "clients": "pooled"},
                         ours={"accuracy": round(self.reference["configured channels"], 1)}))
         return Table("Table 6: centralised non-private test accuracy (%), one client holding every training trial", rows,
@@ -467,9 +435,9 @@ class Report:
     def records_table(self) -> Table:
         rows = []
         for n in self.scale.record_groupings:
-            m = self.study.client_sizes(n)
-            rows.append(Row(label={"clients": grouping_label(n), "smallest m": min(m), "largest m": max(m)},
-                            ours={c: MeanStd(mean_std(self.values(n, n, PROJAVG.label, c))) for c in PRIVACY_COLUMNS}))
+            m = self.study.dataset_of(n).client_sizes()
+            rows.append(accuracy_row({"clients": grouping_label(n), "smallest m": min(m), "largest m": max(m)},
+                                     {c: self.values(n, n, PROJAVG, c) for c in PRIVACY_COLUMNS}))
         return Table("SPDNet ProjAvg test accuracy (%) against records per client (full participation)", rows,
                      note="The smallest client sets sigma for every client (calibration assumes the worst client).")
 
@@ -484,21 +452,21 @@ class Report:
         for n in self.scale.groupings:
             for arm in spdnet_arms:
                 for column in private:
-                    v = self.values(n, n, arm.label, column)
+                    v = self.values(n, n, arm, column)
                     p = one_sided_t(v, 50.0)
                     binomial = sum(binomtest(round(a / 100 * test_trials), test_trials, 0.5, alternative="greater").pvalue < 0.01 for a in v)
                     rows.append(Row(label={"goal": "private SPDNet above chance (p < 0.01)", "clients": n, "arm": arm.label, "budget": column},
                                     ours={"mean ± std": MeanStd(mean_std(v)), "p": p, "met": p < 0.01,
                                           "seeds with binomial p < 0.01": f"{binomial}/{len(v)}"}))
             for column in private:
-                eegnet = self.values(n, n, EEGNET.label, column)
+                eegnet = self.values(n, n, EEGNET, column)
                 for arm in spdnet_arms:
-                    v = self.values(n, n, arm.label, column)
+                    v = self.values(n, n, arm, column)
                     p = one_sided_t(v, eegnet)
                     rows.append(Row(label={"goal": "SPDNet above EEGNet (paired by seed, p < 0.05)", "clients": n, "arm": arm.label, "budget": column},
                                     ours={"mean ± std": MeanStd(mean_std(list(np.subtract(v, eegnet)))), "p": p, "met": p < 0.05}))
             for arm in spdnet_arms:
-                gap = mean_std(self.values(n, n, arm.label, "ε=20"))[0] - mean_std(self.values(n, n, arm.label, "non-private"))[0]
+                gap = mean_std(self.values(n, n, arm, "ε=20"))[0] - mean_std(self.values(n, n, arm, "non-private"))[0]
                 rows.append(Row(label={"goal": "a Riemannian scheme within 5 points of non-private at ε=20", "clients": n, "arm": arm.label,
                                        "budget": "ε=20"}, ours={"mean ± std": f"{gap:+.1f} points", "p": None, "met": gap >= -5.0}))
         return Table("Goals (issue 20) over the test seeds: one-sided t-tests over seeds; the binomial count is per seed on the pooled test set",
@@ -545,7 +513,7 @@ class Report:
             arms = EEGPhysionet.full_arms if k == n else EEGPhysionet.half_arms
             for offset, arm in enumerate(arms):
                 cols = [c for c in order if c in EEGPhysionet.columns(arm)]
-                stats = [mean_std(self.values(n, k, arm.label, c)) for c in cols]
+                stats = [mean_std(self.values(n, k, arm, c)) for c in cols]
                 shift = np.array([order.index(c) for c in cols]) + 0.06 * (offset - (len(arms) - 1) / 2)
                 ax.errorbar(shift, [m for m, _ in stats], yerr=[s for _, s in stats], marker="o", capsize=3, color=arm.colour, label=arm.label)
             ax.axhline(self.reference["configured channels"], color="k", ls=":", label="pyriemann reference (non-private)")
@@ -558,9 +526,9 @@ class Report:
 
     def records_figure(self, path: Path) -> str:
         fig, ax = pyplot().subplots(figsize=(5.2, 3.8))
-        sizes = [min(self.study.client_sizes(n)) for n in self.scale.record_groupings]
+        sizes = [min(self.study.dataset_of(n).client_sizes()) for n in self.scale.record_groupings]
         for column, colour in zip(PRIVACY_COLUMNS, ("k", "tab:green", "tab:blue", "tab:red")):
-            stats = [mean_std(self.values(n, n, PROJAVG.label, column)) for n in self.scale.record_groupings]
+            stats = [mean_std(self.values(n, n, PROJAVG, column)) for n in self.scale.record_groupings]
             ax.errorbar(sizes, [m for m, _ in stats], yerr=[s for _, s in stats], marker="o", capsize=3, color=colour, label=column)
         ax.axhline(self.reference["configured channels"], color="k", ls=":", label="pyriemann reference")
         ax.axhline(50.0, color="0.4", ls="--", label="chance")
@@ -576,7 +544,7 @@ class Report:
         arms = (PROJAVG, RLAVG, RETAVG, PRIRFED)
         fig, axes = pyplot().subplots(1, len(self.scale.groupings), figsize=(4.6 * len(self.scale.groupings), 3.6), squeeze=False)
         for ax, n in zip(axes[0], self.scale.groupings):
-            stats = [mean_std(self.values(n, n, arm.label, "ε=20")) for arm in arms]
+            stats = [mean_std(self.values(n, n, arm, "ε=20")) for arm in arms]
             ax.bar(range(len(arms)), [m for m, _ in stats], yerr=[s for _, s in stats], capsize=4, color=[a.colour for a in arms])
             ax.set_xticks(range(len(arms)), [a.label.replace(" (", "\n(").replace("SPDNet ", "") for a in arms], fontsize=8)
             ax.axhline(50.0, color="0.4", ls="--")
@@ -586,18 +554,12 @@ class Report:
         return save_figure(fig, path)
 
     def figure7(self, path: Path) -> str:
-        from rfedray.federated.rundir import RunDirectory
-
         n = self.scale.groupings[0]
         fig, axes = pyplot().subplots(1, len(EEGPhysionet.curve_arms), figsize=(4.6 * len(EEGPhysionet.curve_arms), 3.5), sharey=True)
         for ax, arm in zip(axes, EEGPhysionet.curve_arms):
             horizon = self.study.horizon(self.chosen, n, arm, "ε=5", self.scale)
-            curves = {}
-            for rounds in (max(1, horizon // 2), horizon, 2 * horizon):
-                curves[rounds] = []
-                for seed in range(self.scale.seeds):
-                    records = RunDirectory(self.runs[(n, n, arm.label, "ε=5", rounds, seed)]["run_dir"]).read_metrics()
-                    curves[rounds].append(100.0 * np.array([r["metric_accuracy"] for r in records if "metric_accuracy" in r]))
+            curves = {rounds: [accuracy_curve(self.runs[(n, n, arm.label, "ε=5", rounds, seed)]) for seed in range(self.scale.seeds)]
+                      for rounds in (max(1, horizon // 2), horizon, 2 * horizon)}
             curves_panel(ax, curves, 50.0, f"Figure 7: {arm.label}, ε = 5, {n} clients")
         return save_figure(fig, path)
 
