@@ -362,11 +362,11 @@ def signal_and_noise(run_dir: str) -> dict[str, Any]:
     as ``sqrt(S)``, so ``snr_run = signal sqrt(S k / dim) / sigma``.
     """
     import torch
-    from torch.func import grad, vmap
 
     from rfedray.config import load_config
     from rfedray.federated.rundir import RunDirectory
     from rfedray.federated.setup import build_dataset, build_model, clip_shares, initial_params
+    from rfedray.privacy.mechanism import per_sample_gradients
 
     cfg = load_config(Path(run_dir) / "config.yaml")
     dataset = build_dataset(cfg)
@@ -379,7 +379,7 @@ def signal_and_noise(run_dir: str) -> dict[str, Any]:
              "q = B/m": cfg.federation.batch_size / min(dataset.client_sizes()), "k": k, "steps T tau": steps,
              "sigma": sigma, "C": clip, "noise per coordinate of the cohort's step": sigma / math.sqrt(k)}
     for name, params in points.items():
-        per_record = vmap(grad(model.per_sample_loss), in_dims=(None, 0, 0))(params, x, y)
+        per_record = per_sample_gradients(model.per_sample_loss, params, (x, y))
         coords = {g: m.tangent_coordinates(params[g]).coordinates(per_record[g]).flatten(1) for g, m in model.groups.items()}
         norms = torch.sqrt(sum(c.pow(2).sum(1) for c in coords.values()))
         shares = clip_shares(cfg)
