@@ -195,6 +195,11 @@ def flatten(data: dict, prefix: str = "") -> list[str]:
     return items
 
 
+def half(n: int) -> int:
+    """Table 8's half participation: ``k = ceil(n / 2)`` of ``n`` clients a round."""
+    return math.ceil(n / 2)
+
+
 def chance(dataset: str) -> float:
     """Chance level (%) of a dataset: the paper's where it prints one, else 100 / K."""
     return CHANCE.get(dataset, round(100.0 / len(DATASETS[dataset].events), 1))
@@ -414,7 +419,7 @@ class EEGFederated(EEGStudy):
 
     participations = {
         "Table 7 (full participation)": ((PROJAVG, RLAVG, RETAVG, EEGNET), TABLE7, lambda n: n),
-        "Table 8 (half participation)": ((PROJAVG, EEGNET), TABLE8, lambda n: math.ceil(n / 2)),
+        "Table 8 (half participation)": ((PROJAVG, EEGNET), TABLE8, half),
     }
     """Title -> (arms, the paper's table, cohort size k as a function of n)."""
 

@@ -47,7 +47,7 @@ import numpy as np
 from rfedray.studies.base import Row, Table, mean_std, pyplot, run_grid, save_figure, write_outputs
 from rfedray.studies.eeg import (
     EEGNET, PRIRFED, PROJAVG, RETAVG, RLAVG, Arm, EEGStudy, MeanStd, PRIVACY_COLUMNS, TABLE6, TABLE7,
-    TABLE8, accuracies, accuracy_curve, accuracy_row, curves_panel,
+    TABLE8, accuracies, accuracy_curve, accuracy_row, curves_panel, half,
 )
 
 SUBJECTS = tuple(range(1, 18))
@@ -154,10 +154,6 @@ public filters). EEGNet has its own, smaller grid: its private step costs about 
 def grouping_label(n: int) -> str:
     sizes = sorted({len(g) for g in np.array_split(np.asarray(SUBJECTS), n)})
     return f"{n} client{'s' if n > 1 else ''} of {'-'.join(map(str, sizes))} subject{'s' if sizes[-1] > 1 else ''}"
-
-
-def half(n: int) -> int:
-    return math.ceil(n / 2)
 
 
 class HyperparameterSearch:
