@@ -17,16 +17,19 @@ import urllib.request
 import psutil
 import pytest
 import ray
+import threadpoolctl
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.driver import run_on_ray
-from actors.server_actor import SERVER_NAMESPACE
+from actors.server_actor import SERVER_NAMESPACE, serve
+from actors.session import RaySession
 from prometheus_server import free_port
 from rfedray.cli import main
 from rfedray.errors import RfedrayError
 from rfedray.federated.loop import Federation, without_oracle_metrics
 from rfedray.federated.rundir import RunDirectory
+from rfedray.threads import use_threads
 from test_ray_engine import SMALL, run_engine, small_cfg, start_test_ray
 
 SLOW_ROUNDS = ["run.rounds=12", "run.checkpoint_every=3", "federation.local_steps=40"]
@@ -95,6 +98,18 @@ def test_same_model_as_the_local_engine_with_progress_and_warnings_relayed(tmp_p
     here = ray.get_runtime_context().get_node_id()
     assert placement["server"]["node_id"] == here and placement["server"]["pid"] != os.getpid()
     assert [a["clients"] for a in placement["client_actors"]] == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_the_process_that_serves_takes_the_threads_of_the_local_engine(tmp_path):
+    """One torch and one BLAS thread for federated PCA's small kernels (its 2 BLAS threads spun on a busy
+    machine), as the local engine's process; placement.json records them."""
+    use_threads(2)  # what a driver has on 2 CPUs before it serves
+    cfg = small_cfg(tmp_path, "run.engine=ray", "run.rounds=2")
+    fed = Federation.prepare(cfg, RunDirectory.create(str(tmp_path), "threads"))
+    serve(fed, RaySession(started=False), resume=False)
+    blas = [pool["num_threads"] for pool in threadpoolctl.threadpool_info() if pool["user_api"] == "blas"]
+    assert torch.get_num_threads() == 1 and blas and set(blas) == {1}
+    assert json.loads((fed.run_dir.path / "placement.json").read_text())["server"]["threads"] == 1
 
 
 def test_metrics_are_served_by_the_server_actor(tmp_path):
