@@ -199,8 +199,12 @@ class ClientActor:
 RemoteClientActor = ray.remote(ClientActor)
 
 
-class TaskHostActor(ClientHost):
+class TaskHostActor:
     """Hosts a block of clients and runs the client tasks of a round on them (one Ray actor).
+
+    The actor holds a :class:`ClientHost` and answers only ``run`` (what the task releases),
+    ``describe`` and ``close``: the host's ``client`` and ``build``, which return a client with its
+    records, are not methods of the actor.
 
     Parameters
     ----------
@@ -215,14 +219,21 @@ class TaskHostActor(ClientHost):
     def __init__(self, spec: TaskSpec, client_ids: Sequence[int], threads: int):
         use_threads(threads)
         dataset = spec.build_dataset()
-        super().__init__(dataset, spec.build_model(dataset.info), client_ids)
-        for cid in self.client_ids:
-            self.client(cid)
+        self._host = ClientHost(dataset, spec.build_model(dataset.info), client_ids)
+        for cid in self._host.client_ids:
+            self._host.client(cid)
+
+    def run(self, client_ids: Sequence[int], task: Any, theta: Any, round_index: int) -> dict[int, Any]:
+        """``task`` on each of ``client_ids``: its release, or a ClientFailure (:meth:`ClientHost.run`)."""
+        return self._host.run(client_ids, task, theta, round_index)
+
+    def close(self) -> None:
+        self._host.close()
 
     def describe(self) -> dict[str, Any]:
         """Where this actor runs: process, node, threads, hosted client ids."""
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "device": "cpu",
-                "threads": torch.get_num_threads(), "clients": list(self.client_ids)}
+                "threads": torch.get_num_threads(), "clients": list(self._host.client_ids)}
 
 
 RemoteTaskHostActor = ray.remote(TaskHostActor)

@@ -342,3 +342,12 @@ def test_seeded_runs_are_marked_not_for_production(tmp_path, monkeypatch, seed, 
     (observer,) = observers
     value = observer.metrics.registry.get_sample_value("rfedray_not_for_production", observer.metrics.labels)
     assert value == (1.0 if marked else 0.0)
+
+
+def test_the_task_host_actor_answers_only_its_tasks():
+    """The M-estimation / DDP-SA client actor holds a ClientHost but is not one: its public methods
+    are ``run`` (what the protocol's task releases), ``describe`` and ``close``; the host's
+    ``client`` and ``build``, which hand back a client with its records, are not reachable through Ray."""
+    from actors.client_actor import TaskHostActor
+
+    assert public_members(TaskHostActor) == {"run", "describe", "close"}
