@@ -211,7 +211,8 @@ class TaskHostActor:
     spec : TaskSpec
         Builds the data and the model here (records never travel).
     client_ids : sequence of int
-        The clients this actor hosts, for its whole life and every restart; their data is built now.
+        The clients this actor hosts, for its whole life and every restart; their data is built and
+        checked now, then loaded again for each round that uses it.
     threads : int
         torch and BLAS threads of this process.
     """

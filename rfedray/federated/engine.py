@@ -2,9 +2,9 @@
 
 A client task is a picklable callable ``task(client: HostedClient, theta, round_index) -> release``
 that runs where the client's records are and returns only what the client releases (a privatised
-update, a receipt of secret shares). A :class:`ClientHost` holds some clients (their records, the
-model, what each keeps between rounds) and runs tasks on them; an :class:`Engine` runs a task on a
-cohort and answers every client with its release or a
+update, a receipt of secret shares). A :class:`ClientHost` holds some clients (the model, what each
+keeps between rounds; their records only while a call uses them) and runs tasks on them; an
+:class:`Engine` runs a task on a cohort and answers every client with its release or a
 :class:`~rfedray.federated.client.ClientFailure` (a client that raises is a dropout of the round,
 never a crashed federation).
 
@@ -94,33 +94,39 @@ def dropout(exc: BaseException, message: str, *args: object) -> ClientFailure:
 
 
 class ClientHost:
-    """Holds some clients (records, model, what each keeps between rounds) and runs tasks on them:
-    the local engine, the local executor and both kinds of client actor are hosts.
+    """Holds some clients and runs tasks on them: the local engine, the local executor and both kinds
+    of client actor are hosts.
+
+    A client's records are loaded (:meth:`client`) for each call that uses them and let go when the
+    call ends: between calls a host keeps only what its clients keep between rounds
+    (:attr:`HostedClient.state`), so it holds the records of one call's clients, never those of every
+    client it owns. Data sources give a client's records again on each call of ``client_data``, from
+    their seed, file or cache, bit for bit the same.
 
     Parameters
     ----------
     dataset : FederatedDataset
     model : FederatedModel
     client_ids : sequence of int
-        The clients this host owns; a client is built (:meth:`build`) the first time it is asked for.
+        The clients this host owns.
     """
 
     def __init__(self, dataset: FederatedDataset, model: FederatedModel, client_ids: Sequence[int]):
         self.dataset, self.model = dataset, model
         self.client_ids = sorted(int(c) for c in client_ids)
         self._owned = set(self.client_ids)
-        self._clients: dict[int, Any] = {}
+        self._states: dict[int, dict] = {}
 
     def build(self, client_id: int) -> Any:
-        """A client task's view of a client (:class:`HostedClient`)."""
-        return HostedClient(client_id, self.dataset.client_data(client_id), self.model)
+        """A client task's view of a client (:class:`HostedClient`), with the state it keeps here."""
+        return HostedClient(client_id, self.dataset.client_data(client_id), self.model,
+                            self._states.setdefault(client_id, {}))
 
     def client(self, client_id: int) -> Any:
+        """Client ``client_id`` with its records, loaded now (:meth:`build`)."""
         if client_id not in self._owned:
             raise ValueError(f"client_id={client_id}: not hosted here (hosts {sorted(self._owned)})")
-        if client_id not in self._clients:
-            self._clients[client_id] = self.build(client_id)
-        return self._clients[client_id]
+        return self.build(client_id)
 
     def run(self, client_ids: Sequence[int], task: ClientTask, theta: Params, round_index: int) -> dict[int, Any]:
         """``task`` on each of ``client_ids`` (clients of this host): its release or a ClientFailure."""
@@ -133,7 +139,7 @@ class ClientHost:
         return results
 
     def close(self) -> None:
-        self._clients.clear()
+        self._states.clear()
 
 
 class LocalEngine(ClientHost):

@@ -41,7 +41,8 @@ class Executor(Engine, Protocol):
 
 class LocalExecutor(ClientHost):
     """Clients in this process (a :class:`~rfedray.federated.engine.ClientHost` of :class:`Client` s);
-    a client's data is loaded by :meth:`load` or the first time it is needed.
+    a client's data is loaded for each call that trains or evaluates it, and checked for every client
+    at once by :meth:`load`.
 
     The clients of a cohort are grouped by the structure of their optimiser states
     (:func:`~rfedray.federated.client.batch_key`) and each group is trained together by
@@ -78,7 +79,8 @@ class LocalExecutor(ClientHost):
 
     def load(self, client_ids: Sequence[int], log_name: str = "this process's log") -> None:
         """Load and check the records (training and test split) of every client of ``client_ids`` now,
-        so that bad records stop the run before anything is charged.
+        so that bad records stop the run before anything is charged; each client's records are let go
+        once checked (a call that uses the client loads them again).
 
         Raises
         ------
@@ -99,10 +101,12 @@ class LocalExecutor(ClientHost):
 
     def train(self, cohort, theta, round_index, states):
         results: dict[int, LocalResult | ClientFailure] = {}
+        clients: dict[int, Client] = {}
         groups: dict[object, list[int]] = {}
         for cid in cohort:
             try:
-                key = batch_key(self.client(cid), states.get(cid)) if self.vectorise else cid
+                clients[cid] = self.client(cid)
+                key = batch_key(clients[cid], states.get(cid)) if self.vectorise else cid
             except Exception as exc:  # a failing client is a dropout, never a crashed federation
                 results[cid] = dropout(exc, "client %d failed in round %d", cid, round_index)
                 continue
@@ -110,7 +114,7 @@ class LocalExecutor(ClientHost):
         for members in groups.values():
             if self.vectorise:
                 try:
-                    trained = train_together([self.client(c) for c in members], theta, round_index,
+                    trained = train_together([clients[c] for c in members], theta, round_index,
                                              [states.get(c) for c in members])
                     results.update(zip(members, trained))
                     continue
@@ -118,15 +122,15 @@ class LocalExecutor(ClientHost):
                     log.warning("round %d: clients %s could not be trained together; training them one by one",
                                 round_index, members, exc_info=True)
             for cid in members:
-                results[cid] = self._train_one(cid, theta, round_index, states.get(cid))
+                results[cid] = self._train_one(clients[cid], theta, round_index, states.get(cid))
         return {cid: results[cid] for cid in cohort}
 
-    def _train_one(self, cid: int, theta: Params, round_index: int, state) -> LocalResult | ClientFailure:
+    def _train_one(self, client: Client, theta: Params, round_index: int, state) -> LocalResult | ClientFailure:
         """:meth:`Client.local_train` of one client; a client that raises is a dropout."""
         try:
-            return self.client(cid).local_train(theta, round_index, state)
+            return client.local_train(theta, round_index, state)
         except Exception as exc:  # a failing client is a dropout, never a crashed federation
-            return dropout(exc, "client %d failed in round %d", cid, round_index)
+            return dropout(exc, "client %d failed in round %d", client.client_id, round_index)
 
     def share_aggregators(self) -> AggregatorGroup:
         if self._aggregators is None:
