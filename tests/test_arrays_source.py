@@ -8,6 +8,7 @@ import torch
 
 from rfedray.data.arrays import ArraysFederation, Options
 from rfedray.errors import RfedrayError
+from rfedray.options import OptionsError
 
 
 def write(path, rng, clients=3):
@@ -31,3 +32,24 @@ def test_client_arrays_come_from_the_file_and_a_changed_file_is_refused(tmp_path
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
     with pytest.raises(RfedrayError, match=r"data.options.path=.*changed after it was checked"):
         source.client_data(1)
+
+
+def test_a_file_is_checked_once_per_content_and_a_changed_file_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("RFEDRAY_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "clients.npz"
+    write(path, np.random.default_rng(0))
+    options = Options(path=str(path), task="classification")
+    first = ArraysFederation(options, n_clients=3)
+    checks = []
+    original = ArraysFederation._check
+    monkeypatch.setattr(ArraysFederation, "_check", lambda self, arrays: checks.append(1) or original(self, arrays))
+    again = ArraysFederation(options, n_clients=3)
+    assert checks == [] and again.client_sizes() == first.client_sizes() and again.info == first.info
+    ArraysFederation(Options(path=str(path), task="classification", num_classes=3), n_clients=3)
+    assert checks == [1]  # other options: checked
+    arrays = write(path, np.random.default_rng(0))
+    arrays["x_2"][4, 1] = np.nan
+    np.savez(path, **arrays)
+    with pytest.raises(OptionsError, match=r"x_2 \(client 2\): record 4 is not finite \(nan\)"):
+        ArraysFederation(options, n_clients=3)
+    assert checks == [1, 1]

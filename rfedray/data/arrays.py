@@ -26,6 +26,13 @@ problem raises a :class:`~rfedray.options.OptionsError` naming ``data.options.pa
 the record and what to do. Each process that hosts clients (a Ray client actor) reads the file
 itself, so the path must be readable there too.
 
+The file is checked once per content, not once per process: a check that passes leaves its verdict
+(the record counts and the ``info`` the check derived, public facts of the federation) in
+``<cache_dir>/arrays/`` (:func:`rfedray.paths.cache_dir`) under the SHA-256 of the file's bytes and
+of the options the check depends on, and another process (a client actor, the next run) that finds
+the verdict of the same bytes and options takes it instead of checking every record again. A file
+whose bytes changed has another digest, so it is checked again; a failing check leaves nothing.
+
 The check reads one array at a time and keeps only the record counts: a client's arrays are read from
 the file again when its data is loaded (:meth:`ArraysFederation.client_data`), so the processes of a
 run share the file through the operating system's cache instead of each holding every client's
@@ -34,6 +41,9 @@ records. A file that changed after the check (another size or modification time)
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import re
 import zipfile
@@ -46,10 +56,15 @@ import torch
 
 from rfedray.errors import RfedrayError
 from rfedray.options import DTYPES, OptionsError
+from rfedray.paths import cache_dir
 from rfedray.data.validation import first_nonfinite, spd_problem
 from rfedray.task import ClientData, EvalData
 
+log = logging.getLogger(__name__)
+
 KEY = re.compile(r"^(x|y)_(\d+|test)$")
+VERDICT_FORMAT = 1
+"""Version of the verdicts this module writes; part of their digest, so an older one is never read."""
 
 
 class Records:
@@ -278,8 +293,15 @@ class ArraysFederation:
         self.records = REPRESENTATIONS[options.representation]
         self.dtype = DTYPES[options.dtype]
         self._stamp = self._file_stamp()
-        with self._open() as archive:
-            self._sizes, self.info = self._check(FileArrays(archive, self))
+        digest = self._digest()
+        verdict = self._read_verdict(digest)
+        if verdict is None:
+            with self._open() as archive:
+                verdict = self._check(FileArrays(archive, self))
+            self._write_verdict(digest, verdict)
+        self._sizes, shape, derived = verdict
+        self.info = {"task": self.options.task, "dataset": "arrays", "dtype": self.options.dtype,
+                     **self.records.info(shape), **derived}
 
     def _fail(self, problem: str) -> OptionsError:
         return OptionsError("data.options.path", self.path, problem)
@@ -287,6 +309,51 @@ class ArraysFederation:
     def _file_stamp(self) -> tuple[int, int]:
         stat = os.stat(self.path)
         return stat.st_size, stat.st_mtime_ns
+
+    def _digest(self) -> Optional[str]:
+        """SHA-256 of the file's bytes and of what the check depends on (the options but the path,
+        the number of clients, :data:`VERDICT_FORMAT`), hex; None when the file cannot be read (the
+        check then says why)."""
+        o = self.options
+        h = hashlib.sha256(json.dumps([VERDICT_FORMAT, self.num_clients, o.task, o.representation, o.num_classes,
+                                       o.p, o.dtype]).encode())
+        try:
+            with open(self.path, "rb") as fh:
+                while block := fh.read(1 << 22):
+                    h.update(block)
+        except OSError:
+            return None
+        return h.hexdigest()
+
+    @staticmethod
+    def _verdict_path(digest: str) -> Path:
+        return cache_dir() / "arrays" / f"{digest}.json"
+
+    def _read_verdict(self, digest: Optional[str]) -> Optional[tuple[list[int], tuple[int, ...], dict[str, Any]]]:
+        """The verdict of an earlier check of these bytes and options, or None (none, or unreadable)."""
+        if digest is None:
+            return None
+        try:
+            saved = json.loads(self._verdict_path(digest).read_text())
+            return [int(m) for m in saved["sizes"]], tuple(int(s) for s in saved["shape"]), dict(saved["derived"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _write_verdict(self, digest: Optional[str], verdict: tuple[list[int], tuple[int, ...], dict[str, Any]]) -> None:
+        """Keep a passed check's verdict for the next process (atomically; a cache that cannot be
+        written only means the next process checks again). Nothing is kept when the file changed
+        while it was hashed and checked."""
+        if digest is None or self._file_stamp() != self._stamp:
+            return
+        sizes, shape, derived = verdict
+        path = self._verdict_path(digest)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"sizes": sizes, "shape": list(shape), "derived": derived}))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.debug("the check's verdict of %s was not kept (%s)", self.path, exc)
 
     def _open(self) -> np.lib.npyio.NpzFile:
         """The file as an archive of arrays, refusing anything that is not a plain ``.npz`` of numbers."""
@@ -310,8 +377,9 @@ class ArraysFederation:
                 raise self._fail(problem)
         return archive
 
-    def _check(self, arrays: "FileArrays") -> tuple[list[int], dict[str, Any]]:
-        """Every client's record count and the data's ``info``, each array checked as it is read."""
+    def _check(self, arrays: "FileArrays") -> tuple[list[int], tuple[int, ...], dict[str, Any]]:
+        """Every client's record count, the shape of one record and the task's part of ``info``, each
+        array checked as it is read."""
         clients = sorted({int(m.group(2)) for key in arrays if (m := KEY.match(key)) and m.group(2) != "test"})
         held = len(clients)
         if clients != list(range(held)) or held != self.num_clients:
@@ -326,11 +394,10 @@ class ArraysFederation:
             shapes[name] = self._check_records(arrays, name, shapes.get(0))
         shape = shapes[0][1:]
         labels = [arrays[f"y_{name}"] for name in names if f"y_{name}" in arrays]
-        info = {"task": self.options.task, "dataset": "arrays", "dtype": self.options.dtype,
-                **self.records.info(shape), **self.task.info(self.options, shape, labels)}
+        derived = self.task.info(self.options, shape, labels)
         for name in names:
-            self._check_labels(arrays, name, shapes[name][0], info)
-        return [shapes[i][0] for i in range(held)], info
+            self._check_labels(arrays, name, shapes[name][0], derived)
+        return [shapes[i][0] for i in range(held)], shape, derived
 
     def _check_records(self, arrays: "FileArrays", name: Any, first: Optional[tuple[int, ...]]) -> tuple[int, ...]:
         key = f"x_{name}"
