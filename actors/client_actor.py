@@ -212,7 +212,7 @@ class TaskHostActor:
         Builds the data and the model here (records never travel).
     client_ids : sequence of int
         The clients this actor hosts, for its whole life and every restart; their data is built and
-        checked now, then loaded again for each round that uses it.
+        checked now, and loaded again when a round samples them (:meth:`ClientHost.hold`).
     threads : int
         torch and BLAS threads of this process.
     """

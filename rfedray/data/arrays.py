@@ -34,9 +34,10 @@ the verdict of the same bytes and options takes it instead of checking every rec
 whose bytes changed has another digest, so it is checked again; a failing check leaves nothing.
 
 The check reads one array at a time and keeps only the record counts: a client's arrays are read from
-the file again when its data is loaded (:meth:`ArraysFederation.client_data`), so the processes of a
-run share the file through the operating system's cache instead of each holding every client's
-records. A file that changed after the check (another size or modification time) is refused then.
+the file again when its data is loaded (:meth:`ArraysFederation.client_data`, through one open
+archive per process), so the processes of a run share the file through the operating system's cache
+instead of each holding every client's records. A file that changed after the check (another size or
+modification time) is refused then.
 """
 
 from __future__ import annotations
@@ -293,6 +294,7 @@ class ArraysFederation:
         self.records = REPRESENTATIONS[options.representation]
         self.dtype = DTYPES[options.dtype]
         self._stamp = self._file_stamp()
+        self._archive: Optional[np.lib.npyio.NpzFile] = None  # opened by the first load of a client's arrays
         digest = self._digest()
         verdict = self._read_verdict(digest)
         if verdict is None:
@@ -458,11 +460,16 @@ class ArraysFederation:
         if self._file_stamp() != self._stamp:
             raise RfedrayError(f"data.options.path={self.path}: the file changed after it was checked; "
                                "start the run again (the records of a run must not change while it runs)")
-        with np.load(self.path, allow_pickle=False) as archive:
-            x = torch.as_tensor(archive[f"x_{name}"], dtype=self.dtype)
-            if not self.task.labelled:
-                return (x,)
-            return (x, self.task.target(archive[f"y_{name}"], self.dtype))
+        if self._archive is None:
+            self._archive = np.load(self.path, allow_pickle=False)
+        x = torch.as_tensor(self._archive[f"x_{name}"], dtype=self.dtype)
+        if not self.task.labelled:
+            return (x,)
+        return (x, self.task.target(self._archive[f"y_{name}"], self.dtype))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the open file (a process that unpickles it opens the file again)."""
+        return {**self.__dict__, "_archive": None}
 
     def client_data(self, client_id: int) -> ClientData:
         if not 0 <= client_id < self.num_clients:

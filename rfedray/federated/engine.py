@@ -3,7 +3,7 @@
 A client task is a picklable callable ``task(client: HostedClient, theta, round_index) -> release``
 that runs where the client's records are and returns only what the client releases (a privatised
 update, a receipt of secret shares). A :class:`ClientHost` holds some clients (the model, what each
-keeps between rounds; their records only while a call uses them) and runs tasks on them; an
+keeps between rounds, the records of its latest round's clients) and runs tasks on them; an
 :class:`Engine` runs a task on a cohort and answers every client with its release or a
 :class:`~rfedray.federated.client.ClientFailure` (a client that raises is a dropout of the round,
 never a crashed federation).
@@ -97,11 +97,11 @@ class ClientHost:
     """Holds some clients and runs tasks on them: the local engine, the local executor and both kinds
     of client actor are hosts.
 
-    A client's records are loaded (:meth:`client`) for each call that uses them and let go when the
-    call ends: between calls a host keeps only what its clients keep between rounds
-    (:attr:`HostedClient.state`), so it holds the records of one call's clients, never those of every
-    client it owns. Data sources give a client's records again on each call of ``client_data``, from
-    their seed, file or cache, bit for bit the same.
+    A client's records are loaded (:meth:`client`) when a call needs them. Between calls a host keeps
+    what its clients keep between rounds (:attr:`HostedClient.state`) and the clients of its latest
+    round (:meth:`hold`: with full participation every client, loaded once), never every client it
+    owns: a client sampled again later is loaded again, bit for bit the same (data sources give a
+    client's records from their seed, file or cache on each call of ``client_data``).
 
     Parameters
     ----------
@@ -116,6 +116,7 @@ class ClientHost:
         self.client_ids = sorted(int(c) for c in client_ids)
         self._owned = set(self.client_ids)
         self._states: dict[int, dict] = {}
+        self._held: dict[int, Any] = {}
 
     def build(self, client_id: int) -> Any:
         """A client task's view of a client (:class:`HostedClient`), with the state it keeps here."""
@@ -123,13 +124,32 @@ class ClientHost:
                             self._states.setdefault(client_id, {}))
 
     def client(self, client_id: int) -> Any:
-        """Client ``client_id`` with its records, loaded now (:meth:`build`)."""
+        """Client ``client_id`` with its records: the held one (:meth:`hold`), else loaded now (:meth:`build`)."""
         if client_id not in self._owned:
             raise ValueError(f"client_id={client_id}: not hosted here (hosts {sorted(self._owned)})")
-        return self.build(client_id)
+        held = self._held.get(client_id)
+        return held if held is not None else self.build(client_id)
+
+    def hold(self, client_ids: Sequence[int]) -> None:
+        """Keep exactly the clients of ``client_ids`` (a round's cohort) loaded until the next round:
+        the others are let go; one that cannot be loaded is left for the round to answer as a dropout."""
+        wanted = set(client_ids)
+        self._held = {cid: c for cid, c in self._held.items() if cid in wanted}
+        for cid in client_ids:
+            if cid not in self._held:
+                try:
+                    self._held[cid] = self.client(cid)
+                except Exception:  # the round loads it again and turns the error into a dropout
+                    continue
 
     def run(self, client_ids: Sequence[int], task: ClientTask, theta: Params, round_index: int) -> dict[int, Any]:
-        """``task`` on each of ``client_ids`` (clients of this host): its release or a ClientFailure."""
+        """``task`` on each of ``client_ids`` (clients of this host, held until the next call): its
+        release or a ClientFailure."""
+        self.hold(client_ids)
+        return self.run_each(client_ids, task, theta, round_index)
+
+    def run_each(self, client_ids: Sequence[int], task: ClientTask, theta: Params, round_index: int) -> dict[int, Any]:
+        """:meth:`run` without holding the clients: those not held are loaded for this call only."""
         results: dict[int, Any] = {}
         for cid in client_ids:
             try:
@@ -139,6 +159,7 @@ class ClientHost:
         return results
 
     def close(self) -> None:
+        self._held.clear()
         self._states.clear()
 
 

@@ -41,8 +41,8 @@ class Executor(Engine, Protocol):
 
 class LocalExecutor(ClientHost):
     """Clients in this process (a :class:`~rfedray.federated.engine.ClientHost` of :class:`Client` s);
-    a client's data is loaded for each call that trains or evaluates it, and checked for every client
-    at once by :meth:`load`.
+    the clients of the latest training round stay loaded (:meth:`~rfedray.federated.engine.ClientHost.hold`),
+    any other is loaded when a call needs it, and every client's data is checked at once by :meth:`load`.
 
     The clients of a cohort are grouped by the structure of their optimiser states
     (:func:`~rfedray.federated.client.batch_key`) and each group is trained together by
@@ -99,9 +99,15 @@ class LocalExecutor(ClientHost):
                 raise RfedrayError(f"client {cid}: {type(exc).__name__} while loading its records (its message is "
                                    f"in {log_name})") from None
 
+    def run(self, client_ids, task, theta, round_index):
+        """A client task on ``client_ids`` (the evaluation on the clients' test splits): the clients of
+        the latest training round are held, the others loaded for this call only."""
+        return self.run_each(client_ids, task, theta, round_index)
+
     def train(self, cohort, theta, round_index, states):
         results: dict[int, LocalResult | ClientFailure] = {}
         clients: dict[int, Client] = {}
+        self.hold(cohort)
         groups: dict[object, list[int]] = {}
         for cid in cohort:
             try:
