@@ -2,10 +2,10 @@
 
 Federated PCA on Gr(40, 4) (1,000 records per client, tau = 5, B = 50), k = n/5 clients per round,
 a fixed sigma and the exact accountant (its budget check, under a millisecond a round, is the same
-on both engines). Both engines hold every client's data before the timed rounds (the local engine's
-clients are built beforehand, the Ray engine's when their actors start, each trained once,
-k at a time, untimed),
-and round 0 is left out (first-call costs). The Ray engine runs in the layout of ``rfedray run`` on
+on both engines). Every client is built once before the timed rounds (the local engine's
+beforehand, the Ray engine's when their actors start, each also trained once, k at a time, untimed:
+first-call costs); in the timed rounds both engines load the records of a sampled client that their
+host let go (a host holds its latest round's clients only), and round 0 is left out. The Ray engine runs in the layout of ``rfedray run`` on
 one machine (a Ray instance started for each measurement; the loop and the ledger in this
 process, every client in a client actor), or with ``--cluster-layout`` in the layout on a
 cluster (one Ray instance for the whole run; an accountant actor, every client in a client actor).

@@ -2,7 +2,8 @@
 
 * ``clients``: federated PCA with n = k and then each n of ``--clients`` (default 10,000) clients
   (1,000 records each, tau = 5, B = 50), k = ``--cohort`` (default 100) a round, in the one-machine layout of ``rfedray run`` (``bench_engines.measure_engine``: every
-  client trained once before the timed rounds, so each holds its data). Reports the median round,
+  client trained once before the timed rounds; a round loads the records of the clients it samples).
+  Reports the median round,
   the peak RSS of every process of the run and the memory per client.
 * ``nodes``: a :class:`ray.cluster_utils.Cluster` of a head (no CPU: the driver, accountant) and
   1 to 4 worker nodes of one CPU, each hosting one client actor with 10 clients, all of them trained
