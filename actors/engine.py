@@ -47,7 +47,6 @@ from rfedray.federated.resume import accounting_fingerprint
 from rfedray.federated.setup import local_plan
 from rfedray.progress import log_startup
 from rfedray.task import Params
-from rfedray.threads import choose_threads
 
 log = logging.getLogger(__name__)
 
@@ -227,8 +226,7 @@ class RayExecutor(ActorEngine):
         """Start the client actors (``runtime_env``: :func:`~actors.session.user_code_env`) and, for a
         private run off one machine, the accountant; wait until they are up."""
         cfg = fed.cfg
-        threads = choose_threads(cfg.federation.batch_size, fed.dataset.info.get("record_shape", ()),
-                                 max(1, int(cfg.ray.num_cpus_per_actor)), cfg.run.threads)
+        threads = fed.threads(cpus=max(1, int(cfg.ray.num_cpus_per_actor)))
         args = {"cfg": cfg, "plan": local_plan(cfg, fed.privacy), "threads": threads, "given": fed.given}
         self.start_pool(cfg, cfg.federation.n_clients, RemoteClientActor, args, runtime_env)
         if fed.privacy.private and not self.session.one_machine:  # else the loop's own WriteAheadLedger, here

@@ -42,7 +42,7 @@ from rfedray.federated.loop import Federation
 from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.setup import GivenTask
 from rfedray.observers import attach_metrics
-from rfedray.threads import available_cpus, choose_threads, use_threads
+from rfedray.threads import use_threads
 
 SERVER_NAMESPACE = "rfedray"
 """Ray namespace of the server actors, each named ``server-<run id>`` (``ray list actors`` shows them)."""
@@ -115,8 +115,7 @@ def serve(fed: Federation, session: RaySession, *, resume: bool, runtime_env: Op
     default spun on a busy machine (synthetic PCA's oracle at n = 500 took 58 s of a 94 s start-up).
     """
     cfg = fed.cfg
-    threads = use_threads(choose_threads(cfg.federation.batch_size, fed.dataset.info.get("record_shape", ()),
-                                         available_cpus(), cfg.run.threads))
+    threads = use_threads(fed.threads())
     with ExitStack() as stack:
         record = PlacementRecord(fed.run_dir)
         fed.observers.insert(0, record)

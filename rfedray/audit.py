@@ -605,12 +605,11 @@ class Auditor:
 
     def run(self, progress: Optional[Callable[[int, int, float], None]] = None) -> dict:
         """Train every trial and return the report (see the module docstring)."""
-        from rfedray.threads import available_cpus, choose_threads, use_threads
+        from rfedray.threads import use_threads
 
         fed_cfg, privacy = self.cfg.federation, self.fed.privacy
         clip = privacy.clip
-        use_threads(choose_threads(fed_cfg.batch_size, self.fed.dataset.info["record_shape"], available_cpus(),
-                                   self.cfg.run.threads))
+        use_threads(self.fed.threads())
         started = time.perf_counter()
         statistics, signs = [], []
         with _scratch_directory() as workdir:

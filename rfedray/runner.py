@@ -106,11 +106,9 @@ def run_local(fed, *, resume: bool = False) -> dict:
 
     The process's torch and BLAS threads are chosen from the work (:mod:`rfedray.threads`).
     """
-    from rfedray.threads import available_cpus, choose_threads, use_threads
+    from rfedray.threads import use_threads
 
-    cfg = fed.cfg
-    use_threads(choose_threads(cfg.federation.batch_size, fed.dataset.info.get("record_shape", ()), available_cpus(),
-                               cfg.run.threads))
+    use_threads(fed.threads())
     with ExitStack() as stack:
         attach_metrics(fed, stack)
         executor = fed.local_executor()

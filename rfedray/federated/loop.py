@@ -83,6 +83,14 @@ class Federation:
         log before each round trains."""
         return WriteAheadLedger(self.make_ledger(), self.checkpoints().fingerprint, self.run_dir)
 
+    def threads(self, cpus: Optional[int] = None) -> int:
+        """torch and BLAS threads of a process with ``cpus`` CPUs (default: this process's) that runs
+        this federation's kernels (:func:`rfedray.threads.choose_threads`; ``run.threads`` overrides)."""
+        from rfedray.threads import available_cpus, choose_threads
+
+        return choose_threads(self.cfg.federation.batch_size, self.dataset.info.get("record_shape", ()),
+                              available_cpus() if cpus is None else cpus, self.cfg.run.threads)
+
     def local_executor(self) -> Executor:
         """The local engine: every client in this process, its records (training and test split) loaded
         and checked now, before anything is charged (:meth:`LocalExecutor.load`), as client actors do
