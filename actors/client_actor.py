@@ -39,11 +39,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.cluster import ClusterShape, ClusterWait, actor_bundle
 from rfedray.config import Config, ConfigError, RayConfig
 from rfedray.cuda import cuda_report
+from rfedray.ddpsa.runner import DDPSATask
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import ClientFailure, LocalPlan, LocalResult
 from rfedray.federated.engine import ClientHost, TaskSpec
+from rfedray.federated.evaluation import EvaluationTask
 from rfedray.federated.executor import LocalExecutor
 from rfedray.federated.setup import GivenTask, build_dataset, build_model
+from rfedray.mestimation.strategies import GradientTask, LocalNewtonTask, LocalSGDTask
 from rfedray.task import ClientData
 from rfedray.threads import use_threads
 
@@ -105,6 +108,32 @@ class DeviceDataset:
 
     def client_sizes(self) -> list[int]:
         return self.dataset.client_sizes()
+
+EVALUATION_TASKS = (EvaluationTask,)
+"""What :meth:`ClientActor.run` runs: the evaluation on the clients' test splits (training is
+:meth:`ClientActor.train`)."""
+SYSTEM_TASKS = (GradientTask, LocalSGDTask, LocalNewtonTask, DDPSATask)
+"""What :meth:`TaskHostActor.run` runs: the client tasks of M-estimation's strategies and of DDP-SA."""
+
+
+def protocol_task(task: Any, allowed: tuple[type, ...], actor: str) -> Any:
+    """``task`` when its type is one of ``allowed`` (exactly: a subclass may run other code), else
+    refused before it runs.
+
+    A client actor runs, on its clients' records, only the tasks of the protocol it takes part in:
+    the code of a task sent through Ray is the sender's, and a task of another type could release
+    what the protocol never does (a record, a client's unclipped gradient).
+
+    Raises
+    ------
+    RfedrayError
+        Naming the refused type and the allowed ones (nothing of the clients in it).
+    """
+    if type(task) not in allowed:
+        kind = type(task)
+        raise RfedrayError(f"{actor}.run refuses a task of type {kind.__module__}.{kind.__qualname__}: it runs only "
+                           f"the protocol's tasks ({', '.join(t.__qualname__ for t in allowed)})")
+    return task
 
 
 class ClientActor:
@@ -179,9 +208,10 @@ class ClientActor:
         return results
 
     def run(self, client_ids: Sequence[int], task, theta: dict[str, torch.Tensor], round_index: int) -> dict[int, Any]:
-        """``task`` (:class:`~rfedray.federated.evaluation.EvaluationTask`) on the clients of ``client_ids``
-        hosted here, each on its own test split: per client what the task answers (its metrics' names;
-        the values leave as secret shares only) or a ClientFailure."""
+        """``task`` (:class:`~rfedray.federated.evaluation.EvaluationTask`, refused otherwise) on the
+        clients of ``client_ids`` hosted here, each on its own test split: per client what the task
+        answers (its metrics' names; the values leave as secret shares only) or a ClientFailure."""
+        task = protocol_task(task, EVALUATION_TASKS, "ClientActor")
         return self._executor.run(client_ids, task, to_device(theta, self.device), round_index)
 
     def describe(self) -> dict[str, Any]:
@@ -225,8 +255,9 @@ class TaskHostActor:
             self._host.client(cid)
 
     def run(self, client_ids: Sequence[int], task: Any, theta: Any, round_index: int) -> dict[int, Any]:
-        """``task`` on each of ``client_ids``: its release, or a ClientFailure (:meth:`ClientHost.run`)."""
-        return self._host.run(client_ids, task, theta, round_index)
+        """``task`` (one of :data:`SYSTEM_TASKS`, refused otherwise) on each of ``client_ids``: its release,
+        or a ClientFailure (:meth:`ClientHost.run`)."""
+        return self._host.run(client_ids, protocol_task(task, SYSTEM_TASKS, "TaskHostActor"), theta, round_index)
 
     def close(self) -> None:
         self._host.close()

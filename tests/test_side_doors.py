@@ -19,6 +19,7 @@
 import dataclasses
 import inspect
 import numbers
+import re
 import secrets
 import types
 
@@ -28,6 +29,7 @@ import torch
 from torch.func import vmap
 
 from rfedray.config import load_config
+from rfedray.errors import RfedrayError
 from rfedray.ddpsa.secure_aggregation import FixedPointCodec, LocalAggregators, collect_sum
 from rfedray.federated.client import Client, LocalResult, round_generator
 from rfedray.federated.evaluation import EvaluationTask
@@ -351,3 +353,50 @@ def test_the_task_host_actor_answers_only_its_tasks():
     from actors.client_actor import TaskHostActor
 
     assert public_members(TaskHostActor) == {"run", "describe", "close"}
+
+
+
+def test_client_actors_refuse_a_task_the_protocol_does_not_send(setup, ray_session):
+    """Both client actors run only the tasks of their protocol (exactly those types), refused before
+    they run: had one run, the host would have answered its release (or a dropout), not an error; the
+    refusal names the type and the allowed ones and carries nothing of the clients."""
+    from actors.client_actor import RemoteClientActor, TaskHostActor
+    from rfedray.federated.engine import TaskSpec
+    from rfedray.mestimation.local import StepPlan
+    from rfedray.mestimation.strategies import GradientTask
+
+    class RecordsTask:
+        """A task no protocol sends (defined here, so that Ray sends its code): it would hand back the
+        client's records."""
+
+        def __call__(self, client, theta, round_index):
+            return client.data.train[0]
+
+    class EvaluationButRecords(EvaluationTask):
+        """A subclass of the evaluation task that runs other code."""
+
+        __call__ = RecordsTask.__call__
+
+    fed, theta, found = setup
+    actor = RemoteClientActor.options(num_cpus=0).remote(fed.cfg, [0, CLIENT], local_plan(fed.cfg, fed.privacy), 1)
+    try:
+        for task in (RecordsTask(), EvaluationButRecords(FixedPointCodec(), LocalAggregators(2))):
+            with pytest.raises(ray_session.exceptions.RayTaskError) as refused:
+                ray_session.get(actor.run.remote([0, CLIENT], task, theta, 0), timeout=120)
+            message = str(refused.value.cause)
+            assert re.search(rf"ClientActor.run refuses a task of type test_side_doors\.(\S+\.)?{type(task).__name__}: "
+                             r"it runs only the protocol's tasks \(EvaluationTask\)", message), message
+            assert not leaks(message, found)
+    finally:
+        ray_session.kill(actor)
+
+    spec = TaskSpec("rfedray.data.sklearn_data", "rfedray.models.logreg",
+                    {"dataset": "synthetic_logistic", "records_per_client": 200, "d": 3, "partition": "iid"},
+                    {"l2": 1e-2}, 2, 0)
+    host = TaskHostActor(spec, [0, 1], threads=1)
+    params = host._host.model.init_params(torch.Generator().manual_seed(0))
+    with pytest.raises(RfedrayError, match=r"TaskHostActor.run refuses a task of type .*RecordsTask: it runs only "
+                                           r"the protocol's tasks \(GradientTask, LocalSGDTask, LocalNewtonTask, DDPSATask\)"):
+        host.run([0, 1], RecordsTask(), params, 0)
+    released = host.run([0, 1], GradientTask(StepPlan(50, 1.0, 0.5, noise_seed=1)), params, 0)
+    assert sorted(released) == [0, 1] and all(isinstance(r, dict) for r in released.values())
