@@ -24,6 +24,13 @@ from rfedray.task import FederatedDataset, FederatedModel, Params
 
 log = logging.getLogger(__name__)
 
+MOST_TOGETHER = 16
+"""Most clients trained in one call of :func:`~rfedray.federated.client.train_together`: a larger group
+is trained in parts of at most this many, with the same bits (a client's results do not depend on
+which clients share the call). The working set of ``vmap(grad)`` grows with the clients of a call:
+SPDNet's client actors at n = 500 (50 clients of a round each, B = 64) grew from 344 MiB after
+start to 490-515 MiB training all 50 together. 16 keeps the batched speed-up of 10 clients."""
+
 
 class Executor(Engine, Protocol):
     """Runs the local training of a cohort; its :meth:`~rfedray.federated.engine.Engine.run` runs a
@@ -117,7 +124,8 @@ class LocalExecutor(ClientHost):
                 results[cid] = dropout(exc, "client %d failed in round %d", cid, round_index)
                 continue
             groups.setdefault(key, []).append(cid)
-        for members in groups.values():
+        parts = [group[i:i + MOST_TOGETHER] for group in groups.values() for i in range(0, len(group), MOST_TOGETHER)]
+        for members in parts:
             if self.vectorise:
                 try:
                     trained = train_together([clients[c] for c in members], theta, round_index,
