@@ -257,3 +257,16 @@ def test_private_gradient_is_the_projected_clipped_mean_plus_projected_noise():
         mean = (clipped * scale.view(-1, *[1] * (clipped.dim() - 1))).sum(0) / 16
         reference = mean + sigma * m.proj_tangent(params[k], noise[k])
         torch.testing.assert_close(out[k], reference, rtol=0, atol=1e-12)
+
+
+def test_a_large_group_is_trained_in_parts_with_the_same_bits(tmp_path, monkeypatch):
+    cfg, fed, plan, theta = federation(tmp_path, *TINY_PCA)
+    whole = LocalExecutor(cfg, fed.dataset, fed.model, plan).train([0, 1, 2, 3, 4], theta, 0, {})
+    sizes = []
+    kernel = executor_module.train_together
+    monkeypatch.setattr(executor_module, "train_together", lambda clients, *a: sizes.append(len(clients)) or kernel(clients, *a))
+    monkeypatch.setattr(executor_module, "MOST_TOGETHER", 2)
+    parts = LocalExecutor(cfg, fed.dataset, fed.model, plan).train([0, 1, 2, 3, 4], theta, 0, {})
+    assert sizes == [2, 2, 1]
+    for cid in range(5):
+        assert all(torch.equal(whole[cid].submission[g], parts[cid].submission[g]) for g in theta)
