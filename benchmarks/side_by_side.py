@@ -173,7 +173,8 @@ def run_rfedray(engine: str, workload: str, n: int, k: int, rounds: int, out: Pa
     env = dict(os.environ, PYTHONPATH=baseline) if baseline else None
     for attempt in range(ATTEMPTS):
         first = FirstRecord(runs)
-        result = run_sampled(cmd, str(out / "last.log"), cwd=str(ROOT), env=env, watch=first)
+        # In the checkout whose code runs: Ray puts the driver's working directory first on its workers' path.
+        result = run_sampled(cmd, str(out / "last.log"), cwd=baseline or str(ROOT), env=env, watch=first)
         if result.returncode == 0:
             break
         print(f"    rfedray failed (exit {result.returncode}), attempt {attempt + 1} of {ATTEMPTS}:\n"
