@@ -42,3 +42,19 @@ def test_a_host_holds_its_latest_rounds_clients_and_their_state_survives_a_reloa
     assert host.run_each([1], count_rounds, None, 4) == {1: (6.0, 3)}
     host.run([0, 3], count_rounds, None, 5)
     assert data.loads == [3, 3, 2, 2]  # run_each holds nothing and lets no held client go
+
+
+def test_a_host_keeps_the_most_recently_used_clients_up_to_keep():
+    data = CountingDataset()
+    host = ClientHost(data, model=None, client_ids=range(4), keep=1)
+    host.run([0], count_rounds, None, 0)
+    host.run([1], count_rounds, None, 1)
+    host.run([2], count_rounds, None, 2)  # 1 (the most recent other) stays, 0 is let go
+    assert data.loads == [1, 1, 1, 0]
+    host.run([1], count_rounds, None, 3)
+    host.run([0], count_rounds, None, 4)
+    assert data.loads == [2, 1, 1, 0]
+    everything = ClientHost(CountingDataset(), model=None, client_ids=range(4), keep=4)
+    for round_index, cohort in enumerate([[0, 1], [2, 3], [1, 2], [3, 0]]):
+        everything.run(cohort, count_rounds, None, round_index)
+    assert everything.dataset.loads == [1, 1, 1, 1]  # the local engine's: a client is loaded once

@@ -21,6 +21,8 @@ charged to their privacy plan); DP-RFedProj's clients run on :mod:`rfedray.feder
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import importlib
 import logging
 from dataclasses import dataclass, field
@@ -98,10 +100,11 @@ class ClientHost:
     of client actor are hosts.
 
     A client's records are loaded (:meth:`client`) when a call needs them. Between calls a host keeps
-    what its clients keep between rounds (:attr:`HostedClient.state`) and the clients of its latest
-    round (:meth:`hold`: with full participation every client, loaded once), never every client it
-    owns: a client sampled again later is loaded again, bit for bit the same (data sources give a
-    client's records from their seed, file or cache on each call of ``client_data``).
+    what its clients keep between rounds (:attr:`HostedClient.state`), the clients of its latest
+    round (:meth:`hold`: with full participation every client, loaded once) and up to ``keep`` more,
+    the most recently used: a client let go and sampled again later is loaded again, bit for bit the
+    same (data sources give a client's records from their seed, file or cache on each call of
+    ``client_data``).
 
     Parameters
     ----------
@@ -109,14 +112,21 @@ class ClientHost:
     model : FederatedModel
     client_ids : sequence of int
         The clients this host owns.
+    keep : int
+        Clients kept loaded beyond the latest round's, >= 0. A client actor keeps none (its memory
+        is its latest cohort's records, not its whole block's); the local engine, one process with
+        every client, keeps them all (a client sampled again costs no second load).
     """
 
-    def __init__(self, dataset: FederatedDataset, model: FederatedModel, client_ids: Sequence[int]):
+    def __init__(self, dataset: FederatedDataset, model: FederatedModel, client_ids: Sequence[int], keep: int = 0):
         self.dataset, self.model = dataset, model
         self.client_ids = sorted(int(c) for c in client_ids)
         self._owned = set(self.client_ids)
+        if keep < 0:
+            raise ValueError(f"keep={keep}: must be >= 0")
+        self.keep = keep
         self._states: dict[int, dict] = {}
-        self._held: dict[int, Any] = {}
+        self._held: OrderedDict[int, Any] = OrderedDict()  # least recently used first
 
     def build(self, client_id: int) -> Any:
         """A client task's view of a client (:class:`HostedClient`), with the state it keeps here."""
@@ -131,16 +141,21 @@ class ClientHost:
         return held if held is not None else self.build(client_id)
 
     def hold(self, client_ids: Sequence[int]) -> None:
-        """Keep exactly the clients of ``client_ids`` (a round's cohort) loaded until the next round:
-        the others are let go; one that cannot be loaded is left for the round to answer as a dropout."""
-        wanted = set(client_ids)
-        self._held = {cid: c for cid, c in self._held.items() if cid in wanted}
-        for cid in client_ids:
-            if cid not in self._held:
+        """Keep the clients of ``client_ids`` (a round's cohort) loaded until the next round, and of the
+        others the ``keep`` most recently used; one that cannot be loaded is left for the round to
+        answer as a dropout."""
+        wanted = 0
+        for cid in dict.fromkeys(client_ids):
+            if cid in self._held:
+                self._held.move_to_end(cid)
+            else:
                 try:
                     self._held[cid] = self.client(cid)
                 except Exception:  # the round loads it again and turns the error into a dropout
                     continue
+            wanted += 1
+        while len(self._held) > wanted + self.keep:
+            self._held.popitem(last=False)
 
     def run(self, client_ids: Sequence[int], task: ClientTask, theta: Params, round_index: int) -> dict[int, Any]:
         """``task`` on each of ``client_ids`` (clients of this host, held until the next call): its
@@ -164,10 +179,11 @@ class ClientHost:
 
 
 class LocalEngine(ClientHost):
-    """Every client in this process, on the dataset and model the caller already built: one host of all."""
+    """Every client in this process, on the dataset and model the caller already built: one host of
+    all, keeping every client it has loaded."""
 
     def __init__(self, dataset: FederatedDataset, model: FederatedModel):
-        super().__init__(dataset, model, range(dataset.num_clients))
+        super().__init__(dataset, model, range(dataset.num_clients), keep=dataset.num_clients)
 
 
 def check_task_run(sizes: Sequence[int], clients_per_round: int, batch_size: int, rounds: int,

@@ -48,8 +48,8 @@ class Executor(Engine, Protocol):
 
 class LocalExecutor(ClientHost):
     """Clients in this process (a :class:`~rfedray.federated.engine.ClientHost` of :class:`Client` s);
-    the clients of the latest training round stay loaded (:meth:`~rfedray.federated.engine.ClientHost.hold`),
-    any other is loaded when a call needs it, and every client's data is checked at once by :meth:`load`.
+    the clients of the latest training round (and ``keep`` more) stay loaded
+    (:meth:`~rfedray.federated.engine.ClientHost.hold`), any other is loaded when a call needs it, and every client's data is checked at once by :meth:`load`.
 
     The clients of a cohort are grouped by the structure of their optimiser states
     (:func:`~rfedray.federated.client.batch_key`) and each group is trained together by
@@ -70,11 +70,13 @@ class LocalExecutor(ClientHost):
         :meth:`Client.local_train` client after client (the kernel's one-client case, without ``vmap``).
     client_ids : sequence of int, optional
         The clients hosted here (a client actor's block); every client of the federation by default.
+    keep : int
+        Clients kept loaded beyond the latest round's (:class:`~rfedray.federated.engine.ClientHost`).
     """
 
     def __init__(self, cfg: Config, dataset: FederatedDataset, model: FederatedModel, plan: LocalPlan,
-                 vectorise: bool = True, client_ids: Optional[Sequence[int]] = None):
-        super().__init__(dataset, model, range(cfg.federation.n_clients) if client_ids is None else client_ids)
+                 vectorise: bool = True, client_ids: Optional[Sequence[int]] = None, keep: int = 0):
+        super().__init__(dataset, model, range(cfg.federation.n_clients) if client_ids is None else client_ids, keep)
         self.cfg, self.plan, self.vectorise = cfg, plan, vectorise
         self._declared: Optional[list[int]] = None
         self._aggregators: Optional[LocalAggregators] = None

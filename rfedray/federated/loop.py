@@ -94,11 +94,12 @@ class Federation:
     def local_executor(self) -> Executor:
         """The local engine: every client in this process, its records (training and test split) loaded
         and checked now, before anything is charged (:meth:`LocalExecutor.load`), as client actors do
-        when they start."""
+        when they start; a client once sampled stays loaded (``keep``: all)."""
         from rfedray.federated.executor import LocalExecutor
 
-        executor = LocalExecutor(self.cfg, self.dataset, self.model, local_plan(self.cfg, self.privacy))
-        executor.load(range(self.cfg.federation.n_clients))
+        n = self.cfg.federation.n_clients
+        executor = LocalExecutor(self.cfg, self.dataset, self.model, local_plan(self.cfg, self.privacy), keep=n)
+        executor.load(range(n))
         return executor
 
     def _server(self) -> Server:
