@@ -27,7 +27,8 @@ from rfedray.ddpsa.mechanism import ClipPolicy, ddpsa_step, layers_of
 from rfedray.ddpsa.secure_aggregation import AggregatorGroup, FixedPointCodec, collect_sum, send_update
 from rfedray.federated.client import ClientFailure, round_generator
 from rfedray.federated.engine import Engine, HostedClient, check_task_run
-from rfedray.federated.rounds import Strategy, run_task_rounds
+from rfedray.federated.rounds import Strategy
+from rfedray.federated.task_rounds import run_task_rounds
 from rfedray.mestimation.local import ParamLayout, StepPlan
 from rfedray.privacy import checks
 from rfedray.privacy.accountants import LaplaceAccountant, LaplaceStep, calibrate_noise

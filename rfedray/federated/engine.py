@@ -14,7 +14,7 @@ never a crashed federation).
   restarted by Ray when they die (Ray lives in ``actors/`` only).
 
 The M-estimation strategies (:mod:`rfedray.mestimation`) and DDP-SA (:mod:`rfedray.ddpsa`) run on
-these engines (:func:`rfedray.federated.rounds.run_task_rounds`: their rounds on the federation loop,
+these engines (:func:`rfedray.federated.task_rounds.run_task_rounds`: their rounds on the federation loop,
 charged to their privacy plan); DP-RFedProj's clients run on :mod:`rfedray.federated.executor` (a
 :class:`ClientHost`) and its Ray executor, which also run the clients' evaluation as a client task.
 """

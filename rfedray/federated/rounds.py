@@ -28,7 +28,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 from rfedray.config import Config
 from rfedray.federated.client import LocalResult
@@ -195,20 +195,3 @@ class DPRFedProj(Strategy):
             **{f"metric_{k}": v for k, v in self.last_metrics.items()},
         }
 
-
-def run_task_rounds(strategy: Strategy, plan: PrivacyPlan, theta: Params, sizes: Sequence[int], *, rounds: int,
-                    seed: int, clients_per_round: int,
-                    on_round: Optional[Callable[[dict], None]] = None) -> tuple[Outcome, dict]:
-    """Rounds ``0 .. rounds - 1`` of a client-task ``strategy`` on the federation loop, charged to
-    ``plan.ledger(sizes)``; the outcome and its :meth:`Outcome.summary` with the target and whether
-    the noise was seeded, which the system completes.
-
-    ``on_round`` receives every round's record.
-    """
-    ledger = plan.ledger(sizes)
-    started = time.perf_counter()
-    outcome = run_rounds(strategy, ledger, theta, first=0, last=rounds, seed=seed, n_clients=len(sizes),
-                         clients_per_round=clients_per_round,
-                         on_round=None if on_round is None else lambda record, theta, auth: on_round(record))
-    return outcome, {**outcome.summary(plan, ledger, rounds, started), "epsilon_target": plan.epsilon_target,
-                     "not_for_production": plan.private and plan.noise_seed is not None}

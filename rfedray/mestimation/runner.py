@@ -20,7 +20,8 @@ import torch
 
 from rfedray.federated.client import ClientFailure
 from rfedray.federated.engine import Engine, check_task_run
-from rfedray.federated.rounds import Strategy as RoundStrategy, run_task_rounds
+from rfedray.federated.rounds import Strategy as RoundStrategy
+from rfedray.federated.task_rounds import run_task_rounds
 from rfedray.mestimation.local import ParamLayout, StepPlan
 from rfedray.mestimation.strategies import FedNewton, Strategy
 from rfedray.privacy.plan import GaussianMechanism, PrivacyPlan
