@@ -31,7 +31,16 @@ from rfedray.privacy.ledger import Authorization, PrivacyLedger
 
 class AccountantActor(WriteAheadLedger):
     """The run's :class:`WriteAheadLedger`, as the Ray actor its processes are named after
-    (``ray::AccountantActor``)."""
+    (``ray::AccountantActor``).
+
+    It prepares its ledger when it starts (:meth:`~rfedray.privacy.ledger.PrivacyLedger.prepare`), so
+    that the first round's charge does not wait for the accountant's imports and first PLD
+    (``benchmarks/bench_accounting_round.py``: round 0's call took 0.5 s of a 30-round run's 0.8 s).
+    """
+
+    def __init__(self, ledger, fingerprint: dict, run_dir: RunDirectory):
+        super().__init__(ledger, fingerprint, run_dir)
+        self._ledger.prepare()
 
 
 def start_accountant(ledger: PrivacyLedger, fingerprint: dict, run_dir: RunDirectory):
