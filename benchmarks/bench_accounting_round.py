@@ -147,21 +147,20 @@ def measure_fsync(repeats: int = 200) -> dict:
     import statistics
 
     times = collections.defaultdict(list)
+
+    def sync_after_write(label: str, path: str, mode: str, data: bytes, sync) -> None:
+        with open(path, mode) as fh:
+            fh.write(data)
+            fh.flush()
+            start = time.perf_counter()
+            sync(fh.fileno())
+            times[label].append(time.perf_counter() - start)
+
     with tempfile.TemporaryDirectory() as out:
         log_path, file_path = os.path.join(out, "log"), os.path.join(out, "file")
         for _ in range(repeats):
-            with open(file_path, "wb") as fh:
-                fh.write(b"x" * 1024)
-                fh.flush()
-                start = time.perf_counter()
-                os.fsync(fh.fileno())
-                times["fsync 1 KiB new file"].append(time.perf_counter() - start)
-            with open(file_path, "wb") as fh:
-                fh.write(b"x" * 1024)
-                fh.flush()
-                start = time.perf_counter()
-                os.fdatasync(fh.fileno())
-                times["fdatasync 1 KiB new file"].append(time.perf_counter() - start)
+            sync_after_write("fsync 1 KiB new file", file_path, "wb", b"x" * 1024, os.fsync)
+            sync_after_write("fdatasync 1 KiB new file", file_path, "wb", b"x" * 1024, os.fdatasync)
             fd = os.open(out, os.O_RDONLY)
             try:
                 start = time.perf_counter()
@@ -169,18 +168,8 @@ def measure_fsync(repeats: int = 200) -> dict:
                 times["fsync folder"].append(time.perf_counter() - start)
             finally:
                 os.close(fd)
-            with open(log_path, "ab") as fh:
-                fh.write(b"y" * 100)
-                fh.flush()
-                start = time.perf_counter()
-                os.fsync(fh.fileno())
-                times["fsync 100 B append"].append(time.perf_counter() - start)
-            with open(log_path, "ab") as fh:
-                fh.write(b"y" * 100)
-                fh.flush()
-                start = time.perf_counter()
-                os.fdatasync(fh.fileno())
-                times["fdatasync 100 B append"].append(time.perf_counter() - start)
+            sync_after_write("fsync 100 B append", log_path, "ab", b"y" * 100, os.fsync)
+            sync_after_write("fdatasync 100 B append", log_path, "ab", b"y" * 100, os.fdatasync)
     return {k: round(1000 * statistics.median(v), 3) for k, v in times.items()}
 
 
