@@ -286,6 +286,19 @@ def make_ledger(sizes=(5000, 5000, 2000, 3000), target=None, sigma=0.0242, accou
     )
 
 
+def test_preparing_a_ledger_charges_nothing_and_changes_no_epsilon():
+    """PrivacyLedger.prepare (what the accountant actor does when it starts) evaluates the smallest
+    client's next epsilon ahead: the state and every charge's epsilon are those of an unprepared ledger."""
+    prepared, plain = make_ledger(), make_ledger()
+    prepared.prepare()
+    assert prepared.state_dict() == plain.state_dict() and prepared.epsilon_spent() == 0.0
+    assert (2000, 1) in prepared._epsilons  # client 2, the smallest, at its first participation
+    for cohort in ([2, 0], [1, 3], [2, 3]):
+        assert prepared.authorize(cohort) == plain.authorize(cohort)
+        prepared.prepare()
+    assert prepared.state_dict() == plain.state_dict()
+
+
 def test_ledger_transcript_epsilon_is_the_client_maximum():
     ledger = make_ledger()
     rng = np.random.default_rng(0)
