@@ -152,20 +152,21 @@ def run_strategy(strategy: Strategy, engine: Engine, model: FederatedModel, data
     if isinstance(strategy, FedNewton):
         strategy.check_model(theta)
     total_steps = strategy.total_steps(rounds)
-    z = noise_multiplier
-    if z is None and epsilon is not None:
-        z = calibrate_multiplier(accountant, epsilon, delta, total_steps, batch_size, min(sizes))
-    # Every step a Gaussian mechanism of clip C and noise z C, one step per charge (a round charges strategy.steps).
-    mechanism = None if z is None else GaussianMechanism(z * clip, clip, batch_size)
+    if noise_multiplier is None and epsilon is not None:
+        noise_multiplier = calibrate_multiplier(accountant, epsilon, delta, total_steps, batch_size, min(sizes))
+    # Every step a Gaussian mechanism of clip C and noise std noise_multiplier * C, one step per charge
+    # (a round charges strategy.steps).
+    mechanism = None if noise_multiplier is None else GaussianMechanism(noise_multiplier * clip, clip, batch_size)
     plan = PrivacyPlan(mechanism, accountant, delta, epsilon, local_steps=1, noise_seed=noise_seed)
     eval_data = dataset.eval_data()
-    round_ = MEstimationRound(strategy, engine, StepPlan(batch_size, clip, z, noise_seed), model, eval_data,
-                              reference, evaluate_every, rounds)
+    step = StepPlan(batch_size, clip, noise_multiplier, noise_seed)
+    round_ = MEstimationRound(strategy, engine, step, model, eval_data, reference, evaluate_every, rounds)
     outcome, summary = run_task_rounds(round_, plan, theta, sizes, rounds=rounds, seed=seed,
                                        clients_per_round=clients_per_round, on_round=on_round)
     last = next((r for r in reversed(outcome.records) if "loss" in r or "oracle_loss" in r), {})
     summary.update({
-        **strategy.describe(), "private_steps_per_client": total_steps, "noise_multiplier": z, "clip": plan.clip,
+        **strategy.describe(), "private_steps_per_client": total_steps, "noise_multiplier": noise_multiplier,
+        "clip": plan.clip,
         "client_failures": round_.failures,
         "final_metrics": {k: v for k, v in last.items()
                           if k.removeprefix("oracle_") in ("loss", "accuracy", "r2", "error", "param_error")},
