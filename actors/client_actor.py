@@ -109,6 +109,7 @@ class DeviceDataset:
     def client_sizes(self) -> list[int]:
         return self.dataset.client_sizes()
 
+
 EVALUATION_TASKS = (EvaluationTask,)
 """What :meth:`ClientActor.run` runs: the evaluation on the clients' test splits (training is
 :meth:`ClientActor.train`)."""
@@ -129,8 +130,8 @@ def protocol_task(task: Any, allowed: tuple[type, ...], actor: str) -> Any:
     RfedrayError
         Naming the refused type and the allowed ones (nothing of the clients in it).
     """
-    if type(task) not in allowed:
-        kind = type(task)
+    kind = type(task)
+    if kind not in allowed:
         raise RfedrayError(f"{actor}.run refuses a task of type {kind.__module__}.{kind.__qualname__}: it runs only "
                            f"the protocol's tasks ({', '.join(t.__qualname__ for t in allowed)})")
     return task

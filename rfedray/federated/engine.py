@@ -21,10 +21,9 @@ charged to their privacy plan); DP-RFedProj's clients run on :mod:`rfedray.feder
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import importlib
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 

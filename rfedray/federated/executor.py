@@ -11,13 +11,13 @@ actors, each of which runs a local executor over its own clients. Both return, p
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Optional, Protocol, Sequence
+from typing import Any, Mapping, Optional, Protocol, Sequence
 
 from rfedray.config import Config
 from rfedray.ddpsa.secure_aggregation import AggregatorGroup, LocalAggregators
 from rfedray.errors import RfedrayError
 from rfedray.federated.client import Client, ClientFailure, LocalPlan, LocalResult, batch_key, train_together
-from rfedray.federated.engine import ClientHost, Engine, dropout
+from rfedray.federated.engine import ClientHost, ClientTask, Engine, dropout
 from rfedray.federated.evaluation import NUM_AGGREGATORS
 from rfedray.federated.setup import build_client
 from rfedray.task import FederatedDataset, FederatedModel, Params
@@ -49,7 +49,8 @@ class Executor(Engine, Protocol):
 class LocalExecutor(ClientHost):
     """Clients in this process (a :class:`~rfedray.federated.engine.ClientHost` of :class:`Client` s);
     the clients of the latest training round (and ``keep`` more) stay loaded
-    (:meth:`~rfedray.federated.engine.ClientHost.hold`), any other is loaded when a call needs it, and every client's data is checked at once by :meth:`load`.
+    (:meth:`~rfedray.federated.engine.ClientHost.hold`), any other is loaded when a call needs it,
+    and every client's data is checked at once by :meth:`load`.
 
     The clients of a cohort are grouped by the structure of their optimiser states
     (:func:`~rfedray.federated.client.batch_key`) and each group is trained together by
@@ -108,7 +109,7 @@ class LocalExecutor(ClientHost):
                 raise RfedrayError(f"client {cid}: {type(exc).__name__} while loading its records (its message is "
                                    f"in {log_name})") from None
 
-    def run(self, client_ids, task, theta, round_index):
+    def run(self, client_ids: Sequence[int], task: ClientTask, theta: Params, round_index: int) -> dict[int, Any]:
         """A client task on ``client_ids`` (the evaluation on the clients' test splits): the clients of
         the latest training round are held, the others loaded for this call only."""
         return self.run_each(client_ids, task, theta, round_index)

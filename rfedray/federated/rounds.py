@@ -194,4 +194,3 @@ class DPRFedProj(Strategy):
             **evaluated,
             **{f"metric_{k}": v for k, v in self.last_metrics.items()},
         }
-
