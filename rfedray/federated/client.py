@@ -42,8 +42,7 @@ from rfedray.config import OptimizerConfig
 from rfedray.geometry import ProductManifold
 from rfedray.optim import build_optimizer
 from rfedray.privacy.mechanism import (
-    ClipShares, noise_generator, nonprivate_gradient, private_gradient, rule_gradient, sample_batch,
-    standard_noise,
+    ClipShares, draw_steps, noise_generator, nonprivate_gradient, private_gradient, rule_gradient,
 )
 from rfedray.privacy.randomness import SecureGenerator
 from rfedray.privacy.plan import GaussianMechanism
@@ -118,9 +117,10 @@ class Client:
     """One client: its records and how it trains (implements the client side of Algorithm 1).
 
     The only public ways to train are :meth:`local_train` and :func:`train_together` (several
-    clients at once), which release privatised values only. A step's pieces (:meth:`_draw_step`,
-    :meth:`_minibatch`, :meth:`_gradient`, :meth:`_result`) return records, batch indices and noise:
-    they are private to this module.
+    clients at once), which release privatised values only. A step's batch indices and noise (drawn
+    in :func:`train_together` by :func:`~rfedray.privacy.mechanism.draw_steps`) and its pieces
+    (:meth:`_minibatch`, :meth:`_gradient`, :meth:`_result`) handle records, batch indices and
+    noise: they are private to this module.
 
     Parameters
     ----------
@@ -188,28 +188,6 @@ class Client:
         for name, opt in self._optimizers.items():
             opt.load_state_dict((optimizer_state or {}).get(name, {}))
 
-    def _draw_step(self, theta: Params, generator: SecureGenerator) -> tuple[Tensor, Optional[Params]]:
-        """The randomness of one local step, drawn from ``generator`` in this order.
-
-        Parameters
-        ----------
-        theta : dict of Tensor
-            Any point of the model: gives the noise its shapes, dtypes and device.
-        generator : SecureGenerator
-            This client's generator of the round.
-
-        Returns
-        -------
-        index : Tensor
-            The minibatch, ``(B,)`` distinct record indices (:func:`sample_batch`).
-        noise : dict of Tensor or None
-            Standard Gaussian ambient noise ``{g: (*shape_g)}``, float64 (:func:`standard_noise`); ``None``
-            for the non-private baseline.
-        """
-        index = sample_batch(self.num_records, self.plan.batch_size, generator)
-        noise = standard_noise(self.product, theta, generator) if self.plan.private else None
-        return index, noise
-
     def _minibatch(self, index: Tensor) -> tuple[Tensor, ...]:
         """The records at ``index`` (shape ``(B,)``): each tensor of shape ``(B, ...)``."""
         return tuple(t.index_select(0, index) for t in self._data.train)
@@ -217,8 +195,8 @@ class Client:
     def _gradient(self, params: Params, batch: tuple[Tensor, ...], noise: Optional[Params]) -> Params:
         """The step's tangent gradient at ``params``: privatised with ``noise``, or the plain mean.
 
-        Draws no random numbers (they come from :meth:`_draw_step`), so it can be vmapped over
-        clients.
+        Draws no random numbers (they come from :func:`~rfedray.privacy.mechanism.draw_steps`), so it
+        can be vmapped over clients.
         """
         if self.plan.private:
             mechanism = self.plan.mechanism
@@ -341,16 +319,20 @@ def train_together(
         c._load_optimizer_state(s)
     state = {name: _stack_state([c._optimizers[name].state for c in clients]) for name in lead._optimizers}
     params = {g: torch.stack([value] * k) for g, value in theta.items()}
+    sizes = [c.num_records for c in clients]
     try:
         for j in range(plan.local_steps):
-            draws = [c._draw_step(theta, gen) for c, gen in zip(clients, generators)]
-            minibatches = [c._minibatch(index) for c, (index, _) in zip(clients, draws)]
+            # each client's minibatch, then its noise, from its own generator (the draws of the K
+            # clients at once: the same bits as client by client)
+            index, noise = draw_steps(sizes, plan.batch_size, lead.product if plan.private else None, theta,
+                                      generators)
+            minibatches = [c._minibatch(rows) for c, rows in zip(clients, index)]
             batch = tuple(torch.stack(parts) for parts in zip(*minibatches))
-            noise = {g: torch.stack([n[g] for _, n in draws]) for g in theta} if plan.private else None
             if vectorised:
                 grad = lead._gradients_of_clients(params, batch, noise)
             else:
-                parts = [c._gradient({g: v[i] for g, v in params.items()}, minibatches[i], draws[i][1])
+                parts = [c._gradient({g: v[i] for g, v in params.items()}, minibatches[i],
+                                     None if noise is None else {g: n[i] for g, n in noise.items()})
                          for i, c in enumerate(clients)]
                 grad = {g: torch.stack([p[g] for p in parts]) for g in theta}
             for name, opt in lead._optimizers.items():

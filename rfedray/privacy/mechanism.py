@@ -29,7 +29,7 @@ from torch.func import grad, vmap
 
 from rfedray.geometry import ProductManifold
 from rfedray.privacy import checks
-from rfedray.privacy.randomness import SecureGenerator, seeded_or_fresh
+from rfedray.privacy.randomness import SecureGenerator, seeded_or_fresh, subsets_and_normals
 
 Params = dict[str, Tensor]
 LossFn = Callable[..., Tensor]
@@ -245,6 +245,41 @@ def standard_noise(product: ProductManifold, params: Params, generator: SecureGe
         ``{g: (*shape_g)}`` float64, entries i.i.d. ``N(0, 1)``.
     """
     return {g: generator.standard_normal(params[g].shape) for g in product.groups}
+
+
+def draw_steps(
+    num_records: Sequence[int], batch_size: int, product: Optional[ProductManifold], params: Params,
+    generators: Sequence[SecureGenerator],
+) -> tuple[Tensor, Optional[Params]]:
+    """One step's randomness of K clients at once, each from its own generator: exactly what
+    :func:`sample_batch` and then :func:`standard_noise` draw from that generator alone (the same
+    words of its stream, the same bits, whatever the other generators of the call).
+
+    Parameters
+    ----------
+    num_records : sequence of int
+        ``m`` of every client (each checked with ``batch_size`` as by :func:`sample_batch`).
+    batch_size : int
+        ``B``.
+    product : ProductManifold or None
+        The groups of the noise, in the product's order; ``None``: no noise (the non-private step
+        draws its minibatch only).
+    params : dict of Tensor
+        ``{g: (*shape_g)}``: the noise's shapes (float64 draws, delivered on the generators' device).
+    generators : sequence of SecureGenerator
+        The K clients' generators, delivering on one device.
+
+    Returns
+    -------
+    index : Tensor
+        int64, shape ``(K, B)``: row ``i`` is client ``i``'s minibatch.
+    noise : dict of Tensor or None
+        ``{g: (K, *shape_g)}`` float64 standard Gaussian; ``None`` without ``product``.
+    """
+    sizes = [checks.batch_within(batch_size, m)[1] for m in num_records]
+    groups = list(product.groups) if product is not None else []
+    index, normals = subsets_and_normals(generators, sizes, int(batch_size), [params[g].shape for g in groups])
+    return index, dict(zip(groups, normals)) if product is not None else None
 
 
 def scaled_noise(noise: Tensor, sigma: float, like: Tensor) -> Tensor:

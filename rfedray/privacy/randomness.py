@@ -99,12 +99,17 @@ class SecureGenerator:
     def words(self, count: int) -> np.ndarray:
         """``count`` uniform 64-bit words, ``uint64`` array of shape ``(count,)``."""
         out = np.empty(count, dtype=np.uint64)
-        if count:
-            self._stream.update_into(bytes(8 * count), memoryview(out).cast("B"))
+        self._fill(out)
         return out
 
+    def _fill(self, out: np.ndarray) -> None:
+        """The stream's next ``len(out)`` words into ``out``, a C-contiguous ``uint64`` array of shape
+        ``(count,)`` (the same words :meth:`words` would return)."""
+        if len(out):
+            self._stream.update_into(bytes(8 * len(out)), memoryview(out).cast("B"))
+
     def _uniform(self, count: int) -> np.ndarray:
-        return (self.words(count) >> _SHIFT).astype(np.float64) * _ULP
+        return _uniforms(self.words(count))
 
     def uniform(self, count: int) -> Tensor:
         """``count`` uniforms on ``[0, 1)`` with 53 random bits each (``k 2^-53``): float64, shape
@@ -119,14 +124,7 @@ class SecureGenerator:
         ``2^-53`` resolution.
         """
         count = math.prod(shape)
-        pairs = (count + 1) // 2
-        u = self._uniform(2 * pairs)
-        radius = np.sqrt(-2.0 * np.log1p(-u[:pairs]))
-        angle = _TWO_PI * u[pairs:]
-        z = np.empty(2 * pairs)
-        np.multiply(radius, np.cos(angle), out=z[:pairs])
-        np.multiply(radius, np.sin(angle), out=z[pairs:])
-        return self._deliver(z[:count], shape)
+        return self._deliver(_box_muller(self._uniform(_normal_words(count)))[:count], shape)
 
     def laplace(self, shape: Sequence[int], scale: float) -> Tensor:
         """I.i.d. Laplace(0, ``scale``) in float64, shape ``shape``, on :attr:`device`: the difference of two
@@ -141,13 +139,99 @@ class SecureGenerator:
         The indices of the ``size`` smallest of ``num_records`` independent uniform 64-bit keys;
         int64, shape ``(size,)``, on :attr:`device`.
         """
-        keys = torch.from_numpy(self.words(num_records).view(np.int64))
-        index = torch.topk(keys, size, largest=False, sorted=False).indices
-        return index if self.device.type == "cpu" else index.to(self.device)
+        return _on(_smallest_keys(self.words(num_records), size), self.device)
 
     def _deliver(self, values: np.ndarray, shape: Sequence[int]) -> Tensor:
-        out = torch.from_numpy(values).view(tuple(shape))
-        return out if self.device.type == "cpu" else out.to(self.device)
+        return _on(torch.from_numpy(values).view(tuple(shape)), self.device)
+
+
+def subsets_and_normals(
+    generators: Sequence[SecureGenerator], num_records: Sequence[int], size: int, shapes: Sequence[Sequence[int]]
+) -> tuple[Tensor, list[Tensor]]:
+    """What each of K generators gives for :meth:`~SecureGenerator.subset` followed by
+    :meth:`~SecureGenerator.standard_normal` of every shape of ``shapes`` (in that order), drawn for the
+    K generators at once: the same words of every generator's stream, the same bits.
+
+    Each generator reads its words in one call; the uniforms, the Box-Muller transform and the
+    selection of the ``size`` smallest keys then run once over the K generators' rows (numpy's and
+    torch's elementwise functions and ``topk`` compute every row as they do alone,
+    ``tests/test_noise_source.py``), which is what makes K clients' steps cheaper together than one by
+    one.
+
+    Parameters
+    ----------
+    generators : sequence of SecureGenerator
+        K >= 1 generators delivering on one device.
+    num_records : sequence of int
+        Per generator, the ``num_records`` of its subset (checked by the caller: ``1 <= size <= m``).
+    size : int
+        The subsets' size.
+    shapes : sequence of shape
+        The shapes of the normal draws following the subset (none: the subset only).
+
+    Returns
+    -------
+    index : Tensor
+        int64, shape ``(K, size)``: row ``i`` is ``generators[i].subset(num_records[i], size)``.
+    normals : list of Tensor
+        float64, one per shape, ``(K, *shape)``: row ``i`` is ``generators[i].standard_normal(shape)``.
+    """
+    devices = {g.device for g in generators}
+    if len(devices) != 1:
+        raise ValueError(f"generators delivering on {sorted(map(str, devices))}: subsets_and_normals draws for one device")
+    counts = [math.prod(shape) for shape in shapes]
+    normal_words = sum(_normal_words(count) for count in counts)
+    if len(set(num_records)) == 1:
+        m = num_records[0]
+        words = np.empty((len(generators), m + normal_words), dtype=np.uint64)
+        for row, generator in zip(words, generators):
+            generator._fill(row)
+        index = _smallest_keys(words[:, :m], size)
+        normal = words[:, m:]
+    else:
+        rows = [g.words(m + normal_words) for g, m in zip(generators, num_records)]
+        index = torch.stack([_smallest_keys(row[:m], size) for row, m in zip(rows, num_records)])
+        normal = np.stack([row[m:] for row, m in zip(rows, num_records)])
+    u = _uniforms(normal)
+    normals, start = [], 0
+    for shape, count in zip(shapes, counts):
+        z = _box_muller(u[:, start:start + _normal_words(count)])[:, :count]
+        normals.append(torch.from_numpy(np.ascontiguousarray(z)).view((len(generators), *shape)))
+        start += _normal_words(count)
+    device = devices.pop()
+    return _on(index, device), [_on(n, device) for n in normals]
+
+
+def _normal_words(count: int) -> int:
+    """The words :meth:`SecureGenerator.standard_normal` reads for ``count`` normals: one pair per two."""
+    return 2 * ((count + 1) // 2)
+
+
+def _uniforms(words: np.ndarray) -> np.ndarray:
+    """Uniforms on ``[0, 1)`` with 53 random bits each, float64, the shape of ``words`` (uint64)."""
+    return (words >> _SHIFT).astype(np.float64) * _ULP
+
+
+def _box_muller(u: np.ndarray) -> np.ndarray:
+    """Standard normals from uniforms ``u`` of shape ``(..., 2 pairs)``: along the last axis the first
+    ``pairs`` give the radii, the last ``pairs`` the angles; the cosines then the sines, same shape."""
+    pairs = u.shape[-1] // 2
+    radius = np.sqrt(-2.0 * np.log1p(-u[..., :pairs]))
+    angle = _TWO_PI * u[..., pairs:]
+    z = np.empty(u.shape)
+    np.multiply(radius, np.cos(angle), out=z[..., :pairs])
+    np.multiply(radius, np.sin(angle), out=z[..., pairs:])
+    return z
+
+
+def _smallest_keys(words: np.ndarray, size: int) -> Tensor:
+    """The indices of the ``size`` smallest keys along the last axis of ``words`` (uint64 read as
+    int64), int64 of shape ``(..., size)``, in ``topk``'s order."""
+    return torch.topk(torch.from_numpy(words.view(np.int64)), size, largest=False, sorted=False).indices
+
+
+def _on(t: Tensor, device: torch.device) -> Tensor:
+    return t if device.type == "cpu" else t.to(device)
 
 
 def seeded_or_fresh(seed: Optional[int], context: Sequence[int] = (), device: str | torch.device = "cpu") -> SecureGenerator:
