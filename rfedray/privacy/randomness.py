@@ -176,30 +176,28 @@ def subsets_and_normals(
     normals : list of Tensor
         float64, one per shape, ``(K, *shape)``: row ``i`` is ``generators[i].standard_normal(shape)``.
     """
-    devices = {g.device for g in generators}
-    if len(devices) != 1:
-        raise ValueError(f"generators delivering on {sorted(map(str, devices))}: subsets_and_normals draws for one device")
-    counts = [math.prod(shape) for shape in shapes]
-    normal_words = sum(_normal_words(count) for count in counts)
-    if len(set(num_records)) == 1:
-        m = num_records[0]
-        words = np.empty((len(generators), m + normal_words), dtype=np.uint64)
-        for row, generator in zip(words, generators):
-            generator._fill(row)
+    device = generators[0].device
+    if any(g.device != device for g in generators):
+        raise ValueError(f"generators delivering on {sorted({str(g.device) for g in generators})}: "
+                         "subsets_and_normals draws for one device")
+    k, widths = len(generators), [_normal_words(math.prod(shape)) for shape in shapes]
+    m = num_records[0]
+    if all(n == m for n in num_records):
+        words = np.empty((k, m + sum(widths)), dtype=np.uint64)
+        for i, generator in enumerate(generators):
+            generator._fill(words[i])
         index = _smallest_keys(words[:, :m], size)
-        normal = words[:, m:]
+        u = _uniforms(words[:, m:])
     else:
-        rows = [g.words(m + normal_words) for g, m in zip(generators, num_records)]
-        index = torch.stack([_smallest_keys(row[:m], size) for row, m in zip(rows, num_records)])
-        normal = np.stack([row[m:] for row, m in zip(rows, num_records)])
-    u = _uniforms(normal)
+        rows = [g.words(n + sum(widths)) for g, n in zip(generators, num_records)]
+        index = torch.stack([_smallest_keys(row[:n], size) for row, n in zip(rows, num_records)])
+        u = _uniforms(np.stack([row[n:] for row, n in zip(rows, num_records)]))
     normals, start = [], 0
-    for shape, count in zip(shapes, counts):
-        z = _box_muller(u[:, start:start + _normal_words(count)])[:, :count]
-        normals.append(torch.from_numpy(np.ascontiguousarray(z)).view((len(generators), *shape)))
-        start += _normal_words(count)
-    device = devices.pop()
-    return _on(index, device), [_on(n, device) for n in normals]
+    for shape, width in zip(shapes, widths):
+        z = _box_muller(u[:, start:start + width])[:, :math.prod(shape)]
+        normals.append(_on(torch.from_numpy(np.ascontiguousarray(z)).view((k, *shape)), device))
+        start += width
+    return _on(index, device), normals
 
 
 def _normal_words(count: int) -> int:
