@@ -15,7 +15,7 @@ from scipy import stats
 from rfedray.config import ConfigError, load_config
 from rfedray.federated.client import round_generator
 from rfedray.geometry import Euclidean, ProductManifold
-from rfedray.privacy.mechanism import draw_steps, noise_generator, private_gradient, sample_batch, standard_noise
+from rfedray.privacy.mechanism import draw_step, noise_generator, private_gradient, sample_batch, standard_noise
 
 SEED = 123456789
 ABOVE_32_BITS = SEED + 7 * 2**32  # torch's CPU generator keeps the low 32 bits of a seed: the same stream there
@@ -158,7 +158,7 @@ def test_gaussian_tail_beyond_float32_truncation():
 @pytest.mark.parametrize("sizes", [[1000] * 10, [37, 50, 37, 1000], [12]])
 @pytest.mark.parametrize("private", [True, False])
 def test_draws_of_clients_together_are_each_clients_own_draws(sizes, private):
-    """draw_steps reads every generator's stream as sample_batch then standard_noise do for that
+    """draw_step reads every generator's stream as sample_batch then standard_noise do for that
     generator alone (equal sizes or not, several groups, an odd count): the same bits, and the
     stream then goes on where the client alone would be."""
     prod = ProductManifold({"a": Euclidean(7, 3), "b": Euclidean(40, 4), "c": Euclidean(1)})
@@ -166,7 +166,7 @@ def test_draws_of_clients_together_are_each_clients_own_draws(sizes, private):
     together = [noise_generator(SEED, context=(i, 3)) for i in range(len(sizes))]
     alone = [noise_generator(SEED, context=(i, 3)) for i in range(len(sizes))]
     for _ in range(2):
-        index, noise = draw_steps(sizes, 12, prod if private else None, params, together)
+        index, noise = draw_step(sizes, 12, prod if private else None, params, together)
         assert index.shape == (len(sizes), 12) and index.dtype == torch.int64
         assert (noise is None) == (not private)
         for i, (m, gen) in enumerate(zip(sizes, alone)):
@@ -177,10 +177,12 @@ def test_draws_of_clients_together_are_each_clients_own_draws(sizes, private):
     assert all(np.array_equal(a.words(5), b.words(5)) for a, b in zip(together, alone))
 
 
-def test_draws_of_clients_together_check_the_batch_size():
+def test_draws_of_clients_together_check_the_batch_size_and_the_device():
     gens = [noise_generator(SEED, context=(i,)) for i in range(2)]
     with pytest.raises(ValueError, match="batch_size"):
-        draw_steps([20, 10], 11, None, {}, gens)
+        draw_step([20, 10], 11, None, {}, gens)
+    with pytest.raises(ValueError, match="one device"):
+        draw_step([20, 10], 5, None, {}, [gens[0], noise_generator(SEED, "meta", context=(1,))])
 
 
 @pytest.mark.gpu

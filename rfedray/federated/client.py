@@ -42,7 +42,7 @@ from rfedray.config import OptimizerConfig
 from rfedray.geometry import ProductManifold
 from rfedray.optim import build_optimizer
 from rfedray.privacy.mechanism import (
-    ClipShares, draw_steps, noise_generator, nonprivate_gradient, private_gradient, rule_gradient,
+    ClipShares, draw_step, noise_generator, nonprivate_gradient, private_gradient, rule_gradient,
 )
 from rfedray.privacy.randomness import SecureGenerator
 from rfedray.privacy.plan import GaussianMechanism
@@ -118,7 +118,7 @@ class Client:
 
     The only public ways to train are :meth:`local_train` and :func:`train_together` (several
     clients at once), which release privatised values only. A step's batch indices and noise (drawn
-    in :func:`train_together` by :func:`~rfedray.privacy.mechanism.draw_steps`) and its pieces
+    in :func:`train_together` by :func:`~rfedray.privacy.mechanism.draw_step`) and its pieces
     (:meth:`_minibatch`, :meth:`_gradient`, :meth:`_result`) handle records, batch indices and
     noise: they are private to this module.
 
@@ -195,7 +195,7 @@ class Client:
     def _gradient(self, params: Params, batch: tuple[Tensor, ...], noise: Optional[Params]) -> Params:
         """The step's tangent gradient at ``params``: privatised with ``noise``, or the plain mean.
 
-        Draws no random numbers (they come from :func:`~rfedray.privacy.mechanism.draw_steps`), so it
+        Draws no random numbers (they come from :func:`~rfedray.privacy.mechanism.draw_step`), so it
         can be vmapped over clients.
         """
         if self.plan.private:
@@ -324,7 +324,7 @@ def train_together(
         for j in range(plan.local_steps):
             # each client's minibatch, then its noise, from its own generator (the draws of the K
             # clients at once: the same bits as client by client)
-            index, noise = draw_steps(sizes, plan.batch_size, lead.product if plan.private else None, theta,
+            index, noise = draw_step(sizes, plan.batch_size, lead.product if plan.private else None, theta,
                                       generators)
             minibatches = [c._minibatch(rows) for c, rows in zip(clients, index)]
             batch = tuple(torch.stack(parts) for parts in zip(*minibatches))

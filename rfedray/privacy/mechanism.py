@@ -247,7 +247,7 @@ def standard_noise(product: ProductManifold, params: Params, generator: SecureGe
     return {g: generator.standard_normal(params[g].shape) for g in product.groups}
 
 
-def draw_steps(
+def draw_step(
     num_records: Sequence[int], batch_size: int, product: Optional[ProductManifold], params: Params,
     generators: Sequence[SecureGenerator],
 ) -> tuple[Tensor, Optional[Params]]:

@@ -23,6 +23,8 @@ generator is a cryptographic one:
   (ties, the only bias, have probability below ``m^2 2^-65``).
 
 Draws are made on the CPU and moved to the generator's device (a CUDA model gets CUDA tensors).
+:func:`subsets_and_normals` makes one step's draws of several generators at once, each generator's
+the same bits as drawn alone.
 """
 
 from __future__ import annotations
@@ -153,10 +155,10 @@ def subsets_and_normals(
     K generators at once: the same words of every generator's stream, the same bits.
 
     Each generator reads its words in one call; the uniforms, the Box-Muller transform and the
-    selection of the ``size`` smallest keys then run once over the K generators' rows (numpy's and
-    torch's elementwise functions and ``topk`` compute every row as they do alone,
-    ``tests/test_noise_source.py``), which is what makes K clients' steps cheaper together than one by
-    one.
+    selection of the ``size`` smallest keys then run once over the K generators' rows: numpy's
+    elementwise functions and torch's ``topk`` compute every row as they do alone, which
+    ``tests/test_noise_source.py`` checks. This is what makes the draws of K clients' steps cheaper
+    together than one by one (:func:`rfedray.federated.client.train_together`).
 
     Parameters
     ----------
