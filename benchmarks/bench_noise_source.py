@@ -3,9 +3,9 @@
 A federated-PCA client of the paper's Table 4 (Gr(40, 4) or St(40, 4), m = 5000, B = 500, tau = 10)
 runs :meth:`~rfedray.federated.client.Client.local_train` with its round generator from
 :func:`~rfedray.federated.client.round_generator` (a ChaCha20 keystream:
-:mod:`rfedray.privacy.randomness`), and again with the draws rfedray made before, torch's
-generator (``randperm`` minibatches, ``randn`` noise in the model's dtype, a 32-bit seed: not safe,
-kept here as the baseline only). Rounds of the two alternate in this process; the CPU time per
+:mod:`rfedray.privacy.randomness`, drawn by :func:`~rfedray.privacy.mechanism.draw_step`), and again
+with the draws rfedray made before, torch's generator (``randperm`` minibatches, ``randn`` noise in
+the model's dtype, a 32-bit seed: not safe, kept here as the baseline only). Rounds of the two alternate in this process; the CPU time per
 local step (median and minimum over rounds) and their ratio are printed.
 
 Run: ``python benchmarks/bench_noise_source.py [--rounds 40] [--manifold grassmann stiefel]``.
@@ -38,6 +38,16 @@ class TorchDraws:
         return torch.randn(tuple(shape), generator=self.generator, dtype=self.dtype)
 
 
+def torch_draw_step(num_records, batch_size, product, params, generators):
+    """:func:`~rfedray.privacy.mechanism.draw_step` with :class:`TorchDraws` generators: each client's
+    minibatch, then its noise, stacked."""
+    index = torch.stack([g.subset(m, batch_size) for g, m in zip(generators, num_records)])
+    if product is None:
+        return index, None
+    return index, {name: torch.stack([g.standard_normal(params[name].shape) for g in generators])
+                   for name in product.groups}
+
+
 def measure(manifold: str, rounds: int) -> dict:
     """Median and minimum CPU milliseconds per private local step with each source."""
     cfg = load_config(None, [
@@ -51,11 +61,12 @@ def measure(manifold: str, rounds: int) -> dict:
     client = build_client(cfg, 0, dataset, model, local_plan(cfg, resolve_privacy(cfg, dataset.client_sizes())))
     theta = initial_params(cfg, model)
     dtype = next(iter(theta.values())).dtype
-    sources = {"chacha20": client_module.round_generator,
-               "torch": lambda seed, client_id, round_index, device="cpu": TorchDraws(round_index, dtype)}
+    sources = {"chacha20": (client_module.round_generator, client_module.draw_step),
+               "torch": (lambda seed, client_id, round_index, device="cpu": TorchDraws(round_index, dtype),
+                         torch_draw_step)}
 
     def step_ms(source: str, round_index: int) -> float:
-        client_module.round_generator = sources[source]
+        client_module.round_generator, client_module.draw_step = sources[source]
         start = time.process_time()
         client.local_train(theta, round_index)
         return 1e3 * (time.process_time() - start) / cfg.federation.local_steps
@@ -68,7 +79,7 @@ def measure(manifold: str, rounds: int) -> dict:
                 if r >= 3:
                     times[name].append(ms)
     finally:
-        client_module.round_generator = sources["chacha20"]
+        client_module.round_generator, client_module.draw_step = sources["chacha20"]
     new, old = statistics.median(times["chacha20"]), statistics.median(times["torch"])
     return {"manifold": manifold, "chacha20_ms": new, "torch_ms": old, "ratio": new / old,
             "ratio_min": min(times["chacha20"]) / min(times["torch"])}
