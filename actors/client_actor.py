@@ -110,6 +110,9 @@ class DeviceDataset:
         return self.dataset.client_sizes()
 
 
+CLIENT_LOG = "the client actor's log, on the client's node"
+"""Where a client actor's data errors keep their own message (the server learns only their type)."""
+
 EVALUATION_TASKS = (EvaluationTask,)
 """What :meth:`ClientActor.run` runs: the evaluation on the clients' test splits (training is
 :meth:`ClientActor.train`)."""
@@ -171,7 +174,7 @@ class ClientActor:
         self._executor = LocalExecutor(cfg, dataset, model, plan, client_ids=self.client_ids)
         # A data error's own message stays in this actor's log, on the client's node; the server (and the
         # error of the run) learns only its type.
-        self._executor.load(self.client_ids, "the client actor's log, on the client's node")
+        self._executor.load(self.client_ids, CLIENT_LOG)
 
     def train(
         self, cohort: Sequence[int], theta: dict[str, torch.Tensor], round_index: int,
@@ -243,7 +246,8 @@ class TaskHostActor:
         Builds the data and the model here (records never travel).
     client_ids : sequence of int
         The clients this actor hosts, for its whole life and every restart; their data is built and
-        checked now, and loaded again when a round samples them (:meth:`ClientHost.hold`).
+        checked now, and read back from the actor's spill file when a round samples them
+        (:meth:`ClientHost.hold`).
     threads : int
         torch and BLAS threads of this process.
     """
@@ -252,8 +256,7 @@ class TaskHostActor:
         use_threads(threads)
         dataset = spec.build_dataset()
         self._host = ClientHost(dataset, spec.build_model(dataset.info), client_ids)
-        for cid in self._host.client_ids:
-            self._host.client(cid)
+        self._host.load(self._host.client_ids, CLIENT_LOG)
 
     def run(self, client_ids: Sequence[int], task: Any, theta: Any, round_index: int) -> dict[int, Any]:
         """``task`` (one of :data:`SYSTEM_TASKS`, refused otherwise) on each of ``client_ids``: its release,

@@ -27,7 +27,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
+from rfedray.errors import RfedrayError
 from rfedray.federated.client import ClientFailure
+from rfedray.federated.spill import SpilledDataset
 from rfedray.task import ClientData, FederatedDataset, FederatedModel, Params
 
 log = logging.getLogger(__name__)
@@ -101,9 +103,9 @@ class ClientHost:
     A client's records are loaded (:meth:`client`) when a call needs them. Between calls a host keeps
     what its clients keep between rounds (:attr:`HostedClient.state`), the clients of its latest
     round (:meth:`hold`: with full participation every client, loaded once) and up to ``keep`` more,
-    the most recently used: a client let go and sampled again later is loaded again, bit for bit the
-    same (data sources give a client's records from their seed, file or cache on each call of
-    ``client_data``).
+    the most recently used. A host that lets clients go (``keep`` below its number of clients) loads
+    each from the data source once and reads it back from a spill file of its process when it is
+    sampled again, bit for bit the same (:class:`~rfedray.federated.spill.SpilledDataset`).
 
     Parameters
     ----------
@@ -118,12 +120,13 @@ class ClientHost:
     """
 
     def __init__(self, dataset: FederatedDataset, model: FederatedModel, client_ids: Sequence[int], keep: int = 0):
-        self.dataset, self.model = dataset, model
         self.client_ids = sorted(int(c) for c in client_ids)
         self._owned = set(self.client_ids)
         if keep < 0:
             raise ValueError(f"keep={keep}: must be >= 0")
         self.keep = keep
+        self.dataset = SpilledDataset(dataset) if keep < len(self.client_ids) else dataset
+        self.model = model
         self._states: dict[int, dict] = {}
         self._held: OrderedDict[int, Any] = OrderedDict()  # least recently used first
 
@@ -139,20 +142,49 @@ class ClientHost:
         held = self._held.get(client_id)
         return held if held is not None else self.build(client_id)
 
+    def load(self, client_ids: Sequence[int], log_name: str = "this process's log") -> None:
+        """Load and check the records (training and test split) of every client of ``client_ids`` now,
+        so that bad records stop the run before anything is charged; of them the ``keep`` most recent
+        stay loaded, the others are let go.
+
+        Raises
+        ------
+        RfedrayError
+            rfedray's own message (it names a record by its index, never by its values), or, for
+            any other error, only its type: the data's own message may quote records, so it goes to
+            the log of the process hosting the client (``log_name`` says which).
+        """
+        for cid in client_ids:
+            try:
+                self._take(cid)
+            except RfedrayError:
+                raise
+            except Exception as exc:
+                log.exception("client %d: loading its records failed", cid)
+                raise RfedrayError(f"client {cid}: {type(exc).__name__} while loading its records (its message is "
+                                   f"in {log_name})") from None
+            self._let_go(wanted=0)
+
     def hold(self, client_ids: Sequence[int]) -> None:
         """Keep the clients of ``client_ids`` (a round's cohort) loaded until the next round, and of the
         others the ``keep`` most recently used; one that cannot be loaded is left for the round to
         answer as a dropout."""
         wanted = 0
         for cid in dict.fromkeys(client_ids):
-            if cid in self._held:
-                self._held.move_to_end(cid)
-            else:
-                try:
-                    self._held[cid] = self.client(cid)
-                except Exception:  # the round loads it again and turns the error into a dropout
-                    continue
+            try:
+                self._take(cid)
+            except Exception:  # the round loads it again and turns the error into a dropout
+                continue
             wanted += 1
+        self._let_go(wanted)
+
+    def _take(self, client_id: int) -> None:
+        """Hold client ``client_id`` as the most recently used, loading it if it is not held."""
+        held = self._held.pop(client_id, None)
+        self._held[client_id] = self.client(client_id) if held is None else held
+
+    def _let_go(self, wanted: int) -> None:
+        """Let go the least recently used clients beyond the ``wanted`` most recent and ``keep`` more."""
         while len(self._held) > wanted + self.keep:
             self._held.popitem(last=False)
 
@@ -175,6 +207,8 @@ class ClientHost:
     def close(self) -> None:
         self._held.clear()
         self._states.clear()
+        if isinstance(self.dataset, SpilledDataset):
+            self.dataset.close()
 
 
 class LocalEngine(ClientHost):

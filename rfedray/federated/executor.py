@@ -15,7 +15,6 @@ from typing import Any, Mapping, Optional, Protocol, Sequence
 
 from rfedray.config import Config
 from rfedray.ddpsa.secure_aggregation import AggregatorGroup, LocalAggregators
-from rfedray.errors import RfedrayError
 from rfedray.federated.client import Client, ClientFailure, LocalPlan, LocalResult, batch_key, train_together
 from rfedray.federated.engine import ClientHost, ClientTask, Engine, dropout
 from rfedray.federated.evaluation import NUM_AGGREGATORS
@@ -86,28 +85,6 @@ class LocalExecutor(ClientHost):
         if self._declared is None:
             self._declared = [int(m) for m in self.dataset.client_sizes()]
         return build_client(self.cfg, client_id, self.dataset, self.model, self.plan, self._declared[client_id])
-
-    def load(self, client_ids: Sequence[int], log_name: str = "this process's log") -> None:
-        """Load and check the records (training and test split) of every client of ``client_ids`` now,
-        so that bad records stop the run before anything is charged; each client's records are let go
-        once checked (a call that uses the client loads them again).
-
-        Raises
-        ------
-        RfedrayError
-            rfedray's own message (it names a record by its index, never by its values), or, for
-            any other error, only its type: the data's own message may quote records, so it goes to
-            the log of the process hosting the client (``log_name`` says which).
-        """
-        for cid in client_ids:
-            try:
-                self.client(cid)
-            except RfedrayError:
-                raise
-            except Exception as exc:
-                log.exception("client %d: loading its records failed", cid)
-                raise RfedrayError(f"client {cid}: {type(exc).__name__} while loading its records (its message is "
-                                   f"in {log_name})") from None
 
     def run(self, client_ids: Sequence[int], task: ClientTask, theta: Params, round_index: int) -> dict[int, Any]:
         """A client task on ``client_ids`` (the evaluation on the clients' test splits): the clients of
