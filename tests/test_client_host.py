@@ -86,7 +86,7 @@ def test_the_spill_file_gives_back_every_dtype_shape_and_test_split_bit_for_bit(
     spill.close()
 
 
-def test_a_full_disk_leaves_the_spill_file_readable_and_the_clients_loaded_from_the_source(monkeypatch):
+def test_a_full_or_failing_disk_leaves_the_clients_loaded_from_the_source(monkeypatch):
     data = CountingDataset()
     spilled = SpilledDataset(data)
     assert torch.equal(spilled.client_data(0).train[0], torch.zeros(2, 3))
@@ -98,3 +98,6 @@ def test_a_full_disk_leaves_the_spill_file_readable_and_the_clients_loaded_from_
     assert torch.equal(spilled.client_data(0).train[0], torch.zeros(2, 3))
     assert data.loads == [1, 2, 0, 0]  # 0 from the file; 1 from the source each time; no write tried after the first failure
     assert 1 not in spilled.spill and spilled.spill.nbytes == 24
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    assert torch.equal(spilled.client_data(0).train[0], torch.zeros(2, 3))
+    assert data.loads == [2, 2, 0, 0]  # a failed read: from the source

@@ -122,8 +122,8 @@ class SpilledDataset:
     """A federated dataset that loads each client from ``dataset`` once and reads it back from a
     :class:`SpillFile` afterwards (the same records, bit for bit).
 
-    A client whose records the file cannot take (a full disk: logged once) is loaded from
-    ``dataset`` each time, as without a spill file.
+    A client whose records the file cannot take (a full disk: logged once, and no client is written
+    after it) or give back (a failed read: logged) is loaded from ``dataset``, as without a spill file.
 
     Parameters
     ----------
@@ -142,7 +142,12 @@ class SpilledDataset:
         return self.dataset.client_sizes()
 
     def client_data(self, client_id: int) -> ClientData:
-        data = self.spill.get(client_id)
+        try:
+            data = self.spill.get(client_id)
+        except OSError as exc:  # a disk that fails a read: the source still has the records
+            log.warning("client %d: reading its records back from the spill file failed (%s); loading them from the "
+                        "source", client_id, exc)
+            data = None
         if data is not None:
             return data
         data = self.dataset.client_data(client_id)
