@@ -141,6 +141,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of this process (the local engine and the server side); client "
                              "actors use int(ray.num_cpus_per_actor) = 1")
+    parser.add_argument("--ray-overrides", nargs="*", default=[], help="configuration overrides of the Ray engine's run")
     parser.add_argument("--cluster-layout", action="store_true",
                         help="one Ray instance for the run: an accountant actor, every client in a client actor")
     args = parser.parse_args()
@@ -159,7 +160,7 @@ def main() -> None:
         for n in args.sizes:
             k = max(1, n // 5)
             local = measure_engine("local", n, k, args.rounds, out)
-            remote = measure_engine("ray", n, k, args.rounds, out)
+            remote = measure_engine("ray", n, k, args.rounds, out, *args.ray_overrides)
             dropouts = f"  ({remote['failed']} dropouts)" if remote["failed"] else ""
             print(f"{n:>5} {k:>4} {local['round_s']:>9.4f} {remote['round_s']:>9.4f} "
                   f"{remote['round_s'] / local['round_s']:>6.2f} {local['train_s']:>12.4f} {remote['train_s']:>10.4f} "

@@ -270,3 +270,35 @@ def test_a_large_group_is_trained_in_parts_with_the_same_bits(tmp_path, monkeypa
     assert sizes == [2, 2, 1]
     for cid in range(5):
         assert all(torch.equal(whole[cid].submission[g], parts[cid].submission[g]) for g in theta)
+
+
+@pytest.mark.parametrize("optim", [[], ADAM], ids=["rsgd", "adam"])
+def test_a_clients_result_holds_only_its_own_values(tmp_path, optim):
+    """Each client's submission and optimiser state own their memory: a slice of the K clients'
+    stacked tensors would carry (and, sent to the server, serialise) all K clients' values."""
+    cfg, fed, plan, theta = federation(tmp_path, *PCA, *optim)
+    ex = LocalExecutor(cfg, fed.dataset, fed.model, plan)
+    results = train_together([ex.client(c) for c in range(4)], theta, 0, [None] * 4)
+    for result in results:
+        for name, value in tensors(result).items():
+            assert value.untyped_storage().nbytes() == value.numel() * value.element_size(), name
+
+
+def test_a_result_sent_to_another_process_is_the_same_bits_as_arrays(tmp_path):
+    """A LocalResult pickles its tensors as numpy arrays (rfedray.federated.wire) and comes back equal,
+    dtype and shape included, in tensors that own writable memory."""
+    import pickle
+
+    from rfedray.federated.wire import Array
+
+    cfg, fed, plan, theta = federation(tmp_path, *TINY_PCA, *ADAM)
+    ex = LocalExecutor(cfg, fed.dataset, fed.model, plan)
+    sent = ex.train([0, 1], theta, 0, {})[1]
+    wire = pickle.dumps(sent)
+    assert b"rfedray.federated.wire" in wire and Array.__name__.encode() in wire
+    got = pickle.loads(wire)
+    assert tensors(got).keys() == tensors(sent).keys() and got.train_seconds == sent.train_seconds
+    for key, value in tensors(sent).items():
+        back = tensors(got)[key]
+        assert back.dtype == value.dtype and back.shape == value.shape and torch.equal(back, value), key
+        back.add_(0)  # writable
