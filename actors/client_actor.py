@@ -46,6 +46,7 @@ from rfedray.federated.engine import ClientHost, TaskSpec
 from rfedray.federated.evaluation import EvaluationTask
 from rfedray.federated.executor import LocalExecutor
 from rfedray.federated.setup import GivenTask, build_dataset, build_model
+from rfedray.federated.wire import from_arrays
 from rfedray.mestimation.strategies import GradientTask, LocalNewtonTask, LocalSGDTask
 from rfedray.task import ClientData
 from rfedray.threads import use_threads
@@ -186,11 +187,12 @@ class ClientActor:
         ----------
         cohort : sequence of int
             Clients of the cohort hosted here.
-        theta : dict of Tensor
-            theta_t (Ray resolves the round's single object-store copy).
+        theta : dict of Tensor or Array
+            theta_t (Ray resolves the round's single object-store copy), its tensors as
+            :class:`~rfedray.federated.wire.Array` s or tensors.
         round_index : int
         states : mapping
-            Each client's optimiser state from its previous participation.
+            Each client's optimiser state from its previous participation (tensors or Arrays).
 
         Returns
         -------
@@ -202,8 +204,8 @@ class ClientActor:
             cid: ClientFailure(f"client {cid} is not hosted by this actor") for cid in cohort if cid not in hosted
         }
         mine = [cid for cid in cohort if cid in hosted]
-        states = {cid: to_device(states.get(cid), self.device) for cid in mine}
-        trained = self._executor.train(mine, to_device(theta, self.device), round_index, states)
+        states = {cid: to_device(from_arrays(states.get(cid)), self.device) for cid in mine}
+        trained = self._executor.train(mine, to_device(from_arrays(theta), self.device), round_index, states)
         cpu = torch.device("cpu")
         for cid, r in trained.items():
             if isinstance(r, LocalResult):

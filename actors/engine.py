@@ -45,6 +45,7 @@ from rfedray.federated.evaluation import NUM_AGGREGATORS
 from rfedray.federated.loop import Federation
 from rfedray.federated.resume import accounting_fingerprint
 from rfedray.federated.setup import local_plan
+from rfedray.federated.wire import to_arrays
 from rfedray.progress import log_startup
 from rfedray.task import Params
 
@@ -250,10 +251,10 @@ class RayExecutor(ActorEngine):
     ) -> dict[int, LocalResult | ClientFailure]:
         """Local training of ``cohort`` on the actors hosting it, within the round deadline
         (:meth:`ActorCalls.run`)."""
-        theta_ref = ray.put(theta)
+        theta_ref = ray.put(to_arrays(theta))  # tensors as numpy arrays (rfedray.federated.wire)
 
         def train(actor, members: list[int]) -> ray.ObjectRef:
-            return actor.train.remote(members, theta_ref, round_index, {c: states.get(c) for c in members})
+            return actor.train.remote(members, theta_ref, round_index, {c: to_arrays(states.get(c)) for c in members})
 
         return self.calls.run(cohort, train, round_index)
 
