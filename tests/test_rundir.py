@@ -233,6 +233,131 @@ def test_a_writer_stops_once_another_process_took_the_directory_over(tmp_path):
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
 
 
+# ----- a takeover between a writer's check and its write -------------------------------------
+
+FINGERPRINT = {"test": "takeover"}
+
+
+def _ledger():
+    from rfedray.privacy.accountants import ExactAccountant
+    from rfedray.privacy.ledger import PrivacyLedger
+    from rfedray.privacy.plan import GaussianMechanism
+
+    return PrivacyLedger(ExactAccountant(), GaussianMechanism(0.5, 1.0, 10), local_steps=2, delta=1e-5,
+                         epsilon_target=None, client_sizes=[40] * 4)
+
+
+def _old_writer(tmp_path):
+    """A run whose driver died after round 0's charge: its writer (a Ray actor) lives on, with its token."""
+    from rfedray.federated.resume import WriteAheadLedger
+
+    (tmp_path / "run").mkdir()
+    old = RunDirectory(tmp_path / "run")
+    lock = old.lock()
+    old.announce(lock, "first")
+    wal = WriteAheadLedger(_ledger(), FINGERPRINT, old)
+    wal.start()
+    granted = [wal.authorize([0, 1], round=0, request="r0")]
+    assert granted[0].granted
+    lock.release()  # the driver is killed: the kernel releases its flock
+    return old, wal, granted
+
+
+def _take_over_during(monkeypatch, old, method, file, after=None):
+    """Make ``old``'s next ``method`` of ``file`` let a resume lock, announce and load the ledger
+    between the writer's check and its write (then ``after()``, e.g. the writer dying)."""
+    from rfedray.federated.resume import WriteAheadLedger
+
+    resumed = {}
+    original = getattr(old.store, method)
+
+    def racing(name, data):
+        if name == file and not resumed:
+            new = RunDirectory(old.path)
+            new.announce(new.lock(), "rfedray run --resume")
+            resumed["wal"] = WriteAheadLedger(_ledger(), FINGERPRINT, new)
+            original(name, data)
+            if after is not None:
+                after()
+            return
+        original(name, data)
+
+    monkeypatch.setattr(old.store, method, racing)
+    return resumed
+
+
+def _counted(resumed, granted):
+    """The resumed ledger counts every granted charge: its epsilon is at least each grant's."""
+    spent = resumed["wal"].epsilon_spent()
+    assert all(spent >= auth.epsilon_after for auth in granted if auth.granted), (spent, granted)
+
+
+@pytest.mark.parametrize("method, file", [("write_atomic", "budget.json"), ("append", "ledger.jsonl")])
+def test_a_writer_taken_over_between_its_check_and_its_write_grants_nothing(tmp_path, monkeypatch, method, file):
+    """A resume that takes the run over while the old writer persists a charge: the old writer
+    refuses the charge (its cohort does not train), and the resume counts every charge granted."""
+    from rfedray.federated.rundir import RunDirectoryWriteError
+
+    old, wal, granted = _old_writer(tmp_path)
+    resumed = _take_over_during(monkeypatch, old, method, file)
+    with pytest.raises(RunDirectoryWriteError, match="another process took this run directory over"):
+        granted.append(wal.authorize([2, 3], round=1, request="r1"))
+    _counted(resumed, granted)
+
+
+def test_a_restarted_writer_does_not_replay_a_grant_after_a_takeover(tmp_path, monkeypatch):
+    """The old writer's charge lands after the resume read budget.json and the writer dies before
+    answering; Ray restarts it and re-sends the request: the replayed grant must be refused too."""
+    from rfedray.federated.resume import WriteAheadLedger
+    from rfedray.federated.rundir import RunDirectoryWriteError
+
+    old, wal, granted = _old_writer(tmp_path)
+
+    def die():
+        raise KeyboardInterrupt("the actor's process dies")
+
+    resumed = _take_over_during(monkeypatch, old, "write_atomic", "budget.json", after=die)
+    with pytest.raises(KeyboardInterrupt):
+        wal.authorize([2, 3], round=1, request="r1")
+    monkeypatch.undo()
+    restarted = WriteAheadLedger(_ledger(), FINGERPRINT, RunDirectory(old.path, old.writer_token))
+    with pytest.raises(RunDirectoryWriteError, match="another process took this run directory over"):
+        granted.append(restarted.authorize([2, 3], round=1, request="r1"))
+    _counted(resumed, granted)
+
+
+def test_a_resume_loads_the_ledger_only_after_announcing_its_token(finished, tmp_path, monkeypatch):
+    """The ledger a resume continues from is read under its own announced token (so every grant
+    fenced before the announcement is in it); the check before announcing only refuses."""
+    from rfedray.federated.budget import BudgetFiles
+    from rfedray.runner import resume_config, run
+
+    run_dir = RunDirectory(copy_of(finished, tmp_path))
+    tokens, announced = [], []
+    current, announce = BudgetFiles.current, RunDirectory.announce
+
+    def recording_current(self):
+        tokens.append(self.run_dir.writer_token)
+        return current(self)
+
+    def recording_announce(self, lock, command):
+        announce(self, lock, command)
+        announced.append(self.writer_token)
+
+    monkeypatch.setattr(BudgetFiles, "current", recording_current)
+    monkeypatch.setattr(RunDirectory, "announce", recording_announce)
+    loads = []
+    from rfedray.federated.resume import WriteAheadLedger
+    load = WriteAheadLedger.load_state_dict
+    monkeypatch.setattr(WriteAheadLedger, "load_state_dict",
+                        lambda self, state: (loads.append(self._files.run_dir.writer_token), load(self, state))[1])
+    run(resume_config(run_dir, ["run.rounds=13"]), run_dir, quiet=True, resume=True)
+    assert len(announced) == 1 and announced[0]
+    assert loads == announced  # the ledger the run continues from: loaded once, after announcing
+    first_announced = tokens.index(announced[0])
+    assert all(token == "" for token in tokens[:first_announced])  # reads before announcing: the check only
+
+
 # ----- every failure resumable ----------------------------------------------------------------
 
 def test_a_run_killed_before_its_first_checkpoint_resumes(tmp_path):

@@ -272,6 +272,17 @@ class WriteAheadLedger:
     the same accounting fingerprint, and writes under the run directory's lock token, so a writer
     that outlives its driver cannot write once a resume took the run directory over.
 
+    A grant is fenced: after the charge is persisted, :meth:`authorize` checks the writer token
+    again (:meth:`~rfedray.federated.rundir.RunDirectory.check_writer`) and refuses (raises, the
+    cohort does not train) when the run directory was taken over meanwhile. With the order a resume
+    follows (take the lock, announce its token in ``.lock``, only then read ``budget.json``), every
+    granted charge is seen by every later resume: a grant's fence read ``.lock`` before the resume's
+    announcement, its ``budget.json`` write was finished before that read, and the resume reads
+    ``budget.json`` after announcing, so it reads that write (both stores give read-after-write: a
+    rename on a local folder, a finished PUT in object storage). A charge whose fence fails may be
+    counted or lost by the resume, but its cohort never trains: over-counting is possible,
+    under-counting is not. The same holds for a request answered again without charging.
+
     Every charge may carry a request id: a caller that re-sends a request it could not see answered
     (Ray re-sends a call in flight when the actor died) gets the earlier answer, charged once.
 
@@ -318,18 +329,23 @@ class WriteAheadLedger:
         Raises
         ------
         RunDirectoryWriteError
-            When the charge cannot be persisted (the cohort must not train then).
+            When the charge cannot be persisted, or another process took the run directory over
+            (the cohort must not train then; see the class docstring).
         """
         if request is not None and self._last is not None and self._last["id"] == request:
+            self._files.run_dir.check_writer()  # the fence: a replayed grant is a grant too
             return Authorization(self._last["granted"], self._last["reason"], self._last["epsilon_after"],
                                  self._ledger.state_dict())
         auth = self._ledger.authorize(cohort, count)
         if auth.granted and auth.state is not None:
-            extra = None
-            if request is not None:
-                self._last = {"id": request, "granted": True, "reason": auth.reason, "epsilon_after": auth.epsilon_after}
-                extra = {"request": self._last}
-            self._files.commit(auth.state, round, cohort, count, auth.epsilon_after, extra)
+            last = None if request is None else {"id": request, "granted": True, "reason": auth.reason,
+                                                  "epsilon_after": auth.epsilon_after}
+            self._files.commit(auth.state, round, cohort, count, auth.epsilon_after,
+                               None if last is None else {"request": last})
+            # The fence: the charge is persisted; if a resume took the run directory over since the
+            # commit checked the writer, it may have read budget.json before this charge: refuse.
+            self._files.run_dir.check_writer()
+            self._last = last if last is not None else self._last
         return auth
 
     def epsilon_spent(self) -> Optional[float]:

@@ -146,6 +146,11 @@ class RunDirectory:
 
         Every writer of a run (the driver, the Ray server and accountant actors) calls it first, so
         a process that outlives the driver it was started for cannot write once a resume took over.
+        The check and the write that follows are two steps: a takeover can come between them, so a
+        write that passed the check may land after a resume announced its token. Where that matters
+        (a grant of the write-ahead ledger, :class:`~rfedray.federated.resume.WriteAheadLedger`),
+        the writer checks again after the write, before acting on it (a fence); a resume announces
+        its token (:meth:`announce`) before it reads anything it continues from.
 
         Raises
         ------
