@@ -4,9 +4,14 @@ This process starts ``rfedray run --engine ray`` on a small federated-PCA federa
 by default) and, while it runs, kills a random client actor of that run every few seconds
 (SIGKILL to the ``ray::ClientActor`` process). Once the run has passed a third of its rounds it
 kills the server actor (``ray::ServerActor``), and once past two thirds the driver process itself
-(``rfedray run``); after each it continues the run with ``rfedray run --resume RUN_DIR``. Only
-processes of the runs this script started are killed (descendants of its own ``rfedray`` process,
-found by process id); whatever such a run leaves behind is killed when it ends.
+(``rfedray run``); after each it continues the run with ``rfedray run --resume RUN_DIR``.
+
+The runs connect to a Ray head this script starts (:class:`RayHead`, ``RAY_ADDRESS``): a driver
+that starts Ray itself runs the server in its own process, with no server actor to kill. Only
+processes of that head are killed (its descendants, found by process id; never another Ray instance
+on the machine); the head outlives each driver, so what a killed driver leaves there is Ray's to
+clean up, and the run directory's writer token keeps it from writing into the next run. The head
+and everything under it is killed at the end.
 
 At the end it checks the run directory:
 
@@ -29,7 +34,9 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -48,30 +55,90 @@ CONFIG = [
 CLIENT_ACTOR, SERVER_ACTOR = "ray::ClientActor", "ray::ServerActor"
 
 
-def rfedray(log: Path, *args: str) -> subprocess.Popen:
-    """Start ``rfedray run ARGS --quiet``, its stdout in ``log.out`` and stderr in ``log.err``.
+class RayHead:
+    """A Ray head of this machine for one test, started with ``ray start --head --block``.
+
+    Runs given its :attr:`address` (``RAY_ADDRESS``) are on a cluster: their server and accountant
+    are separate actors, processes of this head that a chaos test can kill. Its processes are
+    found as its descendants, so a test only ever kills its own head's processes.
+
+    Parameters
+    ----------
+    log : Path
+        Where ``ray start`` writes its output.
+    env : dict, optional
+        The head's environment, which every worker and actor it starts inherits (default: this
+        process's), without ``RAY_ADDRESS`` and with token authentication (``RAY_AUTH_MODE``).
+    num_cpus : int
+        The head's CPUs.
+    """
+
+    def __init__(self, log: Path, env: dict | None = None, num_cpus: int = 2):
+        env = dict(os.environ if env is None else env)
+        env.pop("RAY_ADDRESS", None)
+        env["RAY_AUTH_MODE"] = "token"  # as ``ray start`` sets it up by default (the user's token)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.address = f"127.0.0.1:{port}"
+        self.env = dict(env, RAY_ADDRESS=self.address)
+        """``env`` for a run on this head: ``RAY_ADDRESS`` and the head's authentication."""
+        # Ray's sockets live under the temp dir, and a Unix socket's path is at most 107 bytes: a
+        # short directory of its own in /tmp, not one under a test's (long) temporary path.
+        self.temp_dir = tempfile.mkdtemp(prefix="rfedray-chaos-ray-", dir="/tmp")
+        self.log = log
+        ray = Path(sys.executable).with_name("ray")
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(
+                [str(ray), "start", "--head", "--block", f"--port={port}", f"--num-cpus={num_cpus}", "--num-gpus=0",
+                 "--include-dashboard=false", f"--temp-dir={self.temp_dir}", "--disable-usage-stats"],
+                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log.read_text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"ray start --head did not start:\n{log.read_text()[-2000:]}")
+            time.sleep(0.2)
+
+    def processes(self, title: str) -> list[psutil.Process]:
+        """The live processes of this head (its descendants) whose command line names ``title``,
+        by process id."""
+        found = []
+        try:
+            for child in psutil.Process(self.process.pid).children(recursive=True):
+                try:
+                    if title in " ".join(child.cmdline()):
+                        found.append(child)
+                except psutil.Error:
+                    continue
+        except psutil.NoSuchProcess:
+            pass
+        return sorted(found, key=lambda p: p.pid)
+
+    def stop(self) -> None:
+        """SIGKILL the head and every process under it, then remove its temp dir."""
+        try:
+            tree = [psutil.Process(self.process.pid), *psutil.Process(self.process.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            tree = []
+        for proc in tree:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(tree, timeout=10)
+        self.process.wait(timeout=10)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def rfedray(log: Path, head: RayHead, *args: str) -> subprocess.Popen:
+    """Start ``rfedray run ARGS --quiet`` on ``head``, its stdout in ``log.out`` and stderr in ``log.err``.
 
     Files, not pipes: the run prints a line per round, and a pipe nobody reads would block it.
     """
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with open(log.with_suffix(".out"), "w") as out, open(log.with_suffix(".err"), "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "rfedray.cli", "run", *args, "--quiet"], cwd=ROOT, env=env,
+        return subprocess.Popen([sys.executable, "-m", "rfedray.cli", "run", *args, "--quiet"], cwd=ROOT, env=head.env,
                                 stdout=out, stderr=err, text=True)
-
-
-def processes(driver: subprocess.Popen, title: str) -> list[psutil.Process]:
-    """The live descendants of ``driver`` whose process title starts with ``title``."""
-    found = []
-    try:
-        for child in psutil.Process(driver.pid).children(recursive=True):
-            try:
-                if child.cmdline()[:1] and child.cmdline()[0].startswith(title):
-                    found.append(child)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-    except psutil.NoSuchProcess:
-        pass
-    return found
 
 
 def rounds_done(run_dir: Path | None) -> int:
@@ -107,6 +174,7 @@ class Soak:
         self.exits: list[int] = []
         self.errors: list[str] = []
         self.tree: list[psutil.Process] = []
+        self.head: RayHead | None = None
 
     def _log(self) -> Path:
         """Where the next ``rfedray`` process writes its output (``.out``, ``.err``)."""
@@ -115,9 +183,9 @@ class Soak:
     def _start(self) -> subprocess.Popen:
         if self.run_dir is not None:
             self.resumes += 1
-            return rfedray(self._log(), "--resume", str(self.run_dir), "--engine", "ray")
+            return rfedray(self._log(), self.head, "--resume", str(self.run_dir), "--engine", "ray")
         log = self._log()
-        driver = rfedray(log, *CONFIG, f"run.rounds={self.rounds}", f"run.output_dir={self.output_dir}")
+        driver = rfedray(log, self.head, *CONFIG, f"run.rounds={self.rounds}", f"run.output_dir={self.output_dir}")
         while driver.poll() is None and not log.with_suffix(".out").read_text().strip():
             time.sleep(0.2)
         first = log.with_suffix(".out").read_text().strip()
@@ -125,11 +193,11 @@ class Soak:
         return driver
 
     def _kill(self, driver: subprocess.Popen, which: str) -> bool:
-        """SIGKILL the driver, or one of its server or client actors; False when there is none yet."""
+        """SIGKILL the driver, or one of the head's server or client actors; False when there is none yet."""
         if which == "driver":
             driver.send_signal(signal.SIGKILL)
             return True
-        victims = processes(driver, SERVER_ACTOR if which == "server_actor" else CLIENT_ACTOR)
+        victims = self.head.processes(SERVER_ACTOR if which == "server_actor" else CLIENT_ACTOR)
         if not victims:
             return False
         self.rng.choice(victims).send_signal(signal.SIGKILL)
@@ -174,7 +242,7 @@ class Soak:
         return driver.returncode == 0
 
     def _reap(self) -> None:
-        """Kill what is left of the last run's process tree (this script's own processes only)."""
+        """Kill what is left of the last driver's process tree (this script's own processes only)."""
         leftovers = [p for p in self.tree if p.is_running()]
         for proc in leftovers:
             try:
@@ -187,6 +255,7 @@ class Soak:
     def run(self) -> dict:
         """Run, kill and resume until the run completes (or the deadline); the report."""
         started = time.monotonic()
+        self.head = RayHead(self.output_dir / "ray-head.log")
         try:
             while time.monotonic() < self.deadline and not self._follow(self._start()):
                 if self.run_dir is None:
@@ -194,6 +263,7 @@ class Soak:
                     break
         finally:
             self._reap()
+            self.head.stop()
         report = {
             "rounds": self.rounds, "kills": self.kills, "kills_total": sum(self.kills.values()),
             "resumes": self.resumes, "exit_codes": self.exits, "wall_seconds": round(time.monotonic() - started, 1),

@@ -7,6 +7,14 @@ then starts the run and disrupts it at a random round: SIGKILL or SIGTERM the dr
 engine, kill the server actor, a client actor or the accountant actor (their processes, by pid;
 Ray restarts the last two and the run goes on, so they are killed again at later rounds); fill the disk (the run directory is on a real 2 MiB tmpfs); start two resumes at once.
 
+A trial on the Ray engine runs on a Ray head of its own (``scripts/chaos_soak.py``'s ``RayHead``,
+given as ``RAY_ADDRESS``, with the trial's environment so that its actors load the side channels
+below): on a cluster the server and the accountant are separate actors (a driver that starts Ray
+itself runs them in its own process). The actors killed are that head's processes, found as its
+descendants; the head outlives each driver (what a killed driver leaves there is Ray's to clean up,
+and the run directory's writer token keeps it out of the next episode) and is killed, with
+everything under it, when the trial ends.
+
 Every fault kind is drawn: trial ``i`` features kind ``FAULTS[i % 11]`` (on the Ray engine for the
 actor kills, and for the other disruptions in odd cycles of 11 trials), which it applies in every
 other episode (a damage: in every episode); the other episodes draw a disruption at random (seeded
@@ -55,6 +63,8 @@ from rfedray.federated.rundir import RunDirectory
 from rfedray.federated.server import cohort
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from chaos_soak import RayHead  # noqa: E402
 N_CLIENTS, COHORT, SEED = 6, 3, 0
 JOB = [
     "run.checkpoint_every=4", f"federation.n_clients={N_CLIENTS}", f"federation.clients_per_round={COHORT}",
@@ -107,24 +117,15 @@ def wait_rounds(processes, run_dir: Path, after: int, timeout=240.0) -> bool:
     return any(p.poll() is None for p in processes)
 
 
-def kill_actor(driver: subprocess.Popen, name: str, rng: random.Random, timeout: float = 10.0) -> bool:
-    """SIGKILL one of the driver's descendant processes whose title names ``name`` (waiting up to
-    ``timeout`` for one, e.g. while Ray restarts it); whether one was."""
+def kill_actor(driver: subprocess.Popen, head: RayHead, name: str, rng: random.Random, timeout: float = 10.0) -> bool:
+    """SIGKILL one of ``head``'s processes whose title names ``name``, while ``driver`` runs
+    (waiting up to ``timeout`` for one, e.g. while Ray restarts it); whether one was."""
     deadline = time.monotonic() + timeout
     while driver.poll() is None and time.monotonic() < deadline:
-        found = []
-        try:
-            for p in psutil.Process(driver.pid).children(recursive=True):
-                try:
-                    if name in " ".join(p.cmdline()):
-                        found.append(p)
-                except psutil.Error:
-                    pass
-        except psutil.Error:
-            return False
+        found = head.processes(name)
         if found:
             try:
-                rng.choice(sorted(found, key=lambda p: p.pid)).kill()
+                rng.choice(found).kill()
                 return True
             except psutil.NoSuchProcess:
                 pass
@@ -134,7 +135,7 @@ def kill_actor(driver: subprocess.Popen, name: str, rng: random.Random, timeout:
 
 def kill_group(process: subprocess.Popen) -> None:
     """SIGKILL a driver (unless it ended), then whatever of its process group is left (the Ray
-    processes it started; the group's id stays taken while one of them lives)."""
+    processes a local-engine driver started; the group's id stays taken while one of them lives)."""
     if process.poll() is None:
         process.kill()
     process.wait()
@@ -155,6 +156,7 @@ class Trial:
         self.rounds = self.rng.choice([10, 14, 18])
         self.tmp, self.disk, self.references = tmp, disk, references
         self.env = environment(tmp)
+        self.head: RayHead | None = None
         self.run_dir: Path | None = None
         self.snapshots: list[bytes] = []
         self.log: list[str] = []
@@ -306,7 +308,7 @@ class Trial:
             for _ in range(1 if kind == "kill_server" else self.rng.randint(2, 4)):
                 if not wait_rounds([process], self.run_dir, after):
                     break
-                if kill_actor(process, ACTOR[kind], self.rng):
+                if kill_actor(process, self.head, ACTOR[kind], self.rng):
                     self.happened[kind] += 1
                 else:
                     self.log.append(f"{kind}: no such process")
@@ -340,6 +342,18 @@ class Trial:
             self.check()
 
     def run(self) -> dict:
+        """Run the trial's episodes and finish the run (on a Ray head of its own for the Ray engine,
+        killed at the end); its report."""
+        if self.engine == "ray":
+            self.head = RayHead(self.tmp / "ray-head.log", self.env, num_cpus=4)
+            self.env = self.head.env
+        try:
+            return self.episodes()
+        finally:
+            if self.head is not None:
+                self.head.stop()
+
+    def episodes(self) -> dict:
         for index in range(MAX_EPISODES):
             self.episode(index)
             if self.run_dir is None or not (self.run_dir / "checkpoint.pt").exists():
