@@ -71,18 +71,30 @@ class RayHead:
         process's), without ``RAY_ADDRESS`` and with token authentication (``RAY_AUTH_MODE``).
     num_cpus : int
         The head's CPUs.
+
+    Attributes
+    ----------
+    address : str
+        The head's GCS address, ``127.0.0.1:PORT``.
+    env : dict
+        The environment for a run on this head: ``env`` with ``RAY_ADDRESS`` and the head's
+        authentication.
     """
 
     def __init__(self, log: Path, env: dict | None = None, num_cpus: int = 2):
         env = dict(os.environ if env is None else env)
         env.pop("RAY_ADDRESS", None)
         env["RAY_AUTH_MODE"] = "token"  # as ``ray start`` sets it up by default (the user's token)
-        with socket.socket() as sock:
+        # Ports free a moment ago, for every server of the head that listens on a fixed default
+        # port otherwise (two heads on one machine would take the same).
+        sockets = [socket.socket() for _ in range(5)]
+        for sock in sockets:
             sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port, dashboard, agent, client, metrics = (sock.getsockname()[1] for sock in sockets)
+        for sock in sockets:
+            sock.close()
         self.address = f"127.0.0.1:{port}"
         self.env = dict(env, RAY_ADDRESS=self.address)
-        """``env`` for a run on this head: ``RAY_ADDRESS`` and the head's authentication."""
         # Ray's sockets live under the temp dir, and a Unix socket's path is at most 107 bytes: a
         # short directory of its own in /tmp, not one under a test's (long) temporary path.
         self.temp_dir = tempfile.mkdtemp(prefix="rfedray-chaos-ray-", dir="/tmp")
@@ -91,7 +103,9 @@ class RayHead:
         with open(log, "w") as out:
             self.process = subprocess.Popen(
                 [str(ray), "start", "--head", "--block", f"--port={port}", f"--num-cpus={num_cpus}", "--num-gpus=0",
-                 "--include-dashboard=false", f"--temp-dir={self.temp_dir}", "--disable-usage-stats"],
+                 "--include-dashboard=false", f"--dashboard-port={dashboard}",
+                 f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}",
+                 f"--metrics-export-port={metrics}",                 f"--temp-dir={self.temp_dir}", "--disable-usage-stats"],
                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
         while "Ray runtime started" not in log.read_text():
