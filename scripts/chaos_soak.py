@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -68,7 +69,8 @@ class RayHead:
         Where ``ray start`` writes its output.
     env : dict, optional
         The head's environment, which every worker and actor it starts inherits (default: this
-        process's), without ``RAY_ADDRESS`` and with token authentication (``RAY_AUTH_MODE``).
+        process's), without ``RAY_ADDRESS`` and with token authentication (``RAY_AUTH_MODE``) by
+        a fresh random token (``RAY_AUTH_TOKEN``).
     num_cpus : int
         The head's CPUs.
 
@@ -84,7 +86,10 @@ class RayHead:
     def __init__(self, log: Path, env: dict | None = None, num_cpus: int = 2):
         env = dict(os.environ if env is None else env)
         env.pop("RAY_ADDRESS", None)
-        env["RAY_AUTH_MODE"] = "token"  # as ``ray start`` sets it up by default (the user's token)
+        # Token authentication, as ``ray start`` sets it up by default, with a token of this head's
+        # own: nothing read from the user's ``~/.ray`` (a fresh machine has none).
+        env["RAY_AUTH_MODE"] = "token"
+        env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
         # Ports free a moment ago, for every server of the head that listens on a fixed default
         # port otherwise (two heads on one machine would take the same).
         sockets = [socket.socket() for _ in range(5)]
@@ -105,7 +110,7 @@ class RayHead:
                 [str(ray), "start", "--head", "--block", f"--port={port}", f"--num-cpus={num_cpus}", "--num-gpus=0",
                  "--include-dashboard=false", f"--dashboard-port={dashboard}",
                  f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}",
-                 f"--metrics-export-port={metrics}",                 f"--temp-dir={self.temp_dir}", "--disable-usage-stats"],
+                 f"--metrics-export-port={metrics}", f"--temp-dir={self.temp_dir}", "--disable-usage-stats"],
                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
         while "Ray runtime started" not in log.read_text():
