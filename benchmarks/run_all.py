@@ -23,7 +23,7 @@ this folder or a study of the library:
   time and the larger peak memory of the two are kept).
 
 Run from the repository root: ``python benchmarks/run_all.py [--sections step vectorised ...]
-[--repeats 20] [--rounds 6]``; it prints a Markdown table (the one in the README's Performance
+[--repeats 20] [--rounds 30]``; it prints a Markdown table (the one in the README's Performance
 section) after a line describing the machine.
 """
 
@@ -171,7 +171,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", nargs="+", choices=list(sections), default=list(sections))
     parser.add_argument("--repeats", type=int, default=20, help="timed steps per kind (rounds of vectorised: half)")
-    parser.add_argument("--rounds", type=int, default=6, help="rounds per engine run (the first is left out)")
+    # 30: the engines' rounds are 10-100 ms, and the median of 5 of them moved the n = 100 ratio
+    # between 0.80x and 1.68x in two runs a minute apart (29 of them: 1.18-1.34x in three).
+    parser.add_argument("--rounds", type=int, default=30, help="rounds per engine run (the first is left out)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "
