@@ -46,7 +46,7 @@ from rfedray.federated.engine import ClientHost, TaskSpec
 from rfedray.federated.evaluation import EvaluationTask
 from rfedray.federated.executor import LocalExecutor
 from rfedray.federated.setup import GivenTask, build_dataset, build_model
-from rfedray.federated.wire import from_arrays
+from rfedray.federated.wire import from_arrays, map_tree
 from rfedray.mestimation.strategies import GradientTask, LocalNewtonTask, LocalSGDTask
 from rfedray.task import ClientData
 from rfedray.threads import use_threads
@@ -55,13 +55,7 @@ log = logging.getLogger(__name__)
 
 def to_device(obj: Any, device: torch.device) -> Any:
     """``obj`` with every tensor moved to ``device`` (dicts, lists and tuples are walked)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, Mapping):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device) for v in obj)
-    return obj
+    return map_tree(obj, torch.Tensor, lambda tensor: tensor.to(device))
 
 
 def resolve_device(requested: str) -> torch.device:

@@ -39,6 +39,7 @@ from torch.func import vmap
 
 from rfedray import aggregation
 from rfedray.config import OptimizerConfig
+from rfedray.federated.wire import from_arrays, to_arrays
 from rfedray.geometry import ProductManifold
 from rfedray.optim import build_optimizer
 from rfedray.privacy.mechanism import (
@@ -47,7 +48,6 @@ from rfedray.privacy.mechanism import (
 from rfedray.privacy.randomness import SecureGenerator
 from rfedray.privacy.plan import GaussianMechanism
 from rfedray.task import ClientData, EvalData, FederatedModel, Params
-from rfedray.federated.wire import from_arrays, to_arrays
 
 
 @dataclass(frozen=True)

@@ -345,7 +345,8 @@ class WriteAheadLedger:
             # The fence: the charge is persisted; if a resume took the run directory over since the
             # commit checked the writer, it may have read budget.json before this charge: refuse.
             self._files.run_dir.check_writer()
-            self._last = last if last is not None else self._last
+            if last is not None:
+                self._last = last
         return auth
 
     def epsilon_spent(self) -> Optional[float]:

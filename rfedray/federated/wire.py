@@ -12,7 +12,7 @@ cannot hold (bfloat16, a tensor on a device, a sparse or quantised one) travels 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -50,23 +50,23 @@ def _as_array(tensor: torch.Tensor) -> Array | torch.Tensor:
         return tensor
 
 
+def map_tree(tree: Any, leaf: type, fn: Callable[[Any], Any]) -> Any:
+    """``tree`` with ``fn`` applied to every value of type ``leaf``, through mappings (made dicts),
+    lists and tuples; any other value as it is."""
+    if isinstance(tree, leaf):
+        return fn(tree)
+    if isinstance(tree, Mapping):
+        return {k: map_tree(v, leaf, fn) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_tree(v, leaf, fn) for v in tree)
+    return tree
+
+
 def to_arrays(tree: Any) -> Any:
     """``tree`` with every plain CPU tensor replaced by an :class:`Array` (dicts, lists, tuples)."""
-    if isinstance(tree, torch.Tensor):
-        return _as_array(tree)
-    if isinstance(tree, dict):
-        return {k: to_arrays(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(to_arrays(v) for v in tree)
-    return tree
+    return map_tree(tree, torch.Tensor, _as_array)
 
 
 def from_arrays(tree: Any) -> Any:
     """The inverse of :func:`to_arrays`: every :class:`Array` back to a tensor."""
-    if isinstance(tree, Array):
-        return tree.tensor()
-    if isinstance(tree, dict):
-        return {k: from_arrays(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(from_arrays(v) for v in tree)
-    return tree
+    return map_tree(tree, Array, Array.tensor)
