@@ -326,6 +326,97 @@ def test_a_restarted_writer_does_not_replay_a_grant_after_a_takeover(tmp_path, m
     _counted(resumed, granted)
 
 
+def _third_resume(path):
+    """What the next resume of the run loads (after the second driver died too), and its writer."""
+    from rfedray.federated.budget import BudgetFiles
+    from rfedray.federated.resume import WriteAheadLedger
+
+    rd = RunDirectory(path)
+    lock = rd.lock()
+    rd.announce(lock, "rfedray run --resume")
+    checkpoint = {"round": 0, "ledger": {"charges": 1}}
+    try:
+        state = BudgetFiles(rd, FINGERPRINT).trusted(checkpoint, [])
+        return state, WriteAheadLedger(_ledger(), FINGERPRINT, rd), lock
+    except Exception:
+        lock.release()
+        raise
+
+
+def test_a_stale_budget_write_landing_after_the_new_writers_charge_is_refused(tmp_path, monkeypatch):
+    """The old writer passes its check, stalls, and its budget.json lands after the resume's writer
+    charged the same round number to another cohort: that budget.json has as many charges as the
+    log and would forget the granted charge. The next resume and a restarted writer refuse it."""
+    from rfedray.errors import RfedrayError
+    from rfedray.federated.resume import WriteAheadLedger
+    from rfedray.federated.rundir import RunDirectoryWriteError
+
+    old, wal, granted = _old_writer(tmp_path)
+    original = old.store.write_atomic
+    new_grants = []
+
+    def stalled(name, data):
+        if name == "budget.json" and not new_grants:
+            new = RunDirectory(old.path)
+            lock = new.lock()
+            new.announce(lock, "rfedray run --resume")
+            new_wal = WriteAheadLedger(_ledger(), FINGERPRINT, new)
+            new_grants.append(new_wal.authorize([0, 1], round=1, request="new r1"))  # clients 0, 1: twice
+            lock.release()  # the second driver dies too
+        original(name, data)  # the old writer's charge: clients 2, 3 once
+
+    monkeypatch.setattr(old.store, "write_atomic", stalled)
+    with pytest.raises(RunDirectoryWriteError, match="another process took this run directory over"):
+        wal.authorize([2, 3], round=1, request="old r1")
+    monkeypatch.undo()
+    assert new_grants[0].granted
+    stale = json.loads((tmp_path / "run" / "budget.json").read_text())
+    assert stale["last"]["cohort"] == [2, 3] and stale["ledger"]["charges"] == 2  # the stale write, the log's count
+    forgetful = _ledger()
+    forgetful.load_state_dict(stale["ledger"])
+    assert forgetful.epsilon_spent() < new_grants[0].epsilon_after  # loading it would under-count
+    with pytest.raises(RfedrayError, match="budget.json's last charge is not the last line of ledger.jsonl"):
+        _third_resume(old.path)
+    with pytest.raises(RfedrayError, match="budget.json's last charge is not the last line of ledger.jsonl"):
+        WriteAheadLedger(_ledger(), FINGERPRINT, RunDirectory(old.path))  # the accountant actor restarted
+
+
+def test_a_line_the_old_writer_appends_twice_is_tolerated(tmp_path, monkeypatch):
+    """The old writer passes its append's check and stalls; the resume's writer appends that charge's
+    line from budget.json, then its own; the old line lands last, a copy. The chain goes on from the
+    first copy: the next resume and its writer continue, counting every grant."""
+    from rfedray.federated.resume import WriteAheadLedger
+    from rfedray.federated.rundir import RunDirectoryWriteError
+
+    old, wal, granted = _old_writer(tmp_path)
+    original = old.store.append
+    resumed = {}
+
+    def stalled(name, data):
+        if name == "ledger.jsonl" and not resumed:
+            new = RunDirectory(old.path)
+            lock = new.lock()
+            new.announce(lock, "rfedray run --resume")
+            resumed["wal"] = WriteAheadLedger(_ledger(), FINGERPRINT, new)  # loads the old charge from budget.json
+            granted.append(resumed["wal"].authorize([0, 1], round=1, request="new r1"))
+            lock.release()  # the second driver dies too
+        original(name, data)
+
+    monkeypatch.setattr(old.store, "append", stalled)
+    with pytest.raises(RunDirectoryWriteError, match="another process took this run directory over"):
+        wal.authorize([2, 3], round=1, request="old r1")
+    monkeypatch.undo()
+    lines = (tmp_path / "run" / "ledger.jsonl").read_text().splitlines()
+    assert len(lines) == 5 and lines[-1] == lines[2]  # header, r0, old r1, new r1, old r1 again
+    state, writer, lock = _third_resume(old.path)
+    assert state["charges"] == 3
+    _counted({"wal": writer}, granted)
+    granted.append(writer.authorize([1, 2], round=2, request="r2"))
+    lock.release()
+    state, _, _ = _third_resume(old.path)
+    assert state["charges"] == 4
+
+
 def test_a_resume_loads_the_ledger_only_after_announcing_its_token(finished, tmp_path, monkeypatch):
     """The ledger a resume continues from is read under its own announced token (so every grant
     fenced before the announcement is in it); the check before announcing only refuses."""

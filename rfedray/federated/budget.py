@@ -21,7 +21,13 @@ What this detects, and what it cannot:
   charge log, the checkpoint or the metrics are ahead of it); an older ``budget.json`` *and* an
   older ``checkpoint.pt`` put back with ``metrics.jsonl`` cut short (``ledger.jsonl`` is still
   ahead); ``ledger.jsonl`` cut short or edited (its last line is behind ``budget.json``, or the
-  chain breaks);
+  chain breaks); ``budget.json`` replaced by one with as many charges but another history (its
+  ``head`` is not the charge log's last line): what a writer that passed its check before a resume
+  took over leaves when its write lands after the new writer's (a stalled process), which would
+  otherwise swap the new writer's charge for the fenced one's;
+* tolerated: a line written twice (the same bytes as an earlier line). The old writer of that race
+  may append its line after the new writer has appended it from ``budget.json``; a copy carries no
+  charge of its own, and the chain goes on from the first;
 * not detectable: every one of ``budget.json``, ``ledger.jsonl``, ``checkpoint.pt`` and
   ``metrics.jsonl`` put back together to one consistent earlier state (a whole run directory
   restored from a backup) looks like a run that stopped there. Evidence outside the run directory
@@ -123,10 +129,12 @@ class BudgetFiles:
         return _digest(lines[-1]) if lines else ""
 
     def _log_lines(self) -> list[bytes]:
+        """The charge log's lines, each once: a line with the bytes of an earlier one is left out."""
         try:
-            return [line + b"\n" for line in self.run_dir.read_bytes(LOG_NAME).splitlines() if line.strip()]
+            lines = [line + b"\n" for line in self.run_dir.read_bytes(LOG_NAME).splitlines() if line.strip()]
         except FileNotFoundError:
             return []
+        return list(dict.fromkeys(lines))
 
     # ----- reading: what a resume may trust -----------------------------------------------------
 
@@ -236,7 +244,29 @@ class BudgetFiles:
         if chain and chain[-1]["charge"] < charges and self._missing_line(saved) is None:
             raise self._refuse(f"{LOG_NAME} ends at charge {chain[-1]['charge']} but budget.json records {charges} "
                                "(the charge log was cut short)")
+        self.check_head(saved)
         return saved["ledger"]
+
+    def check_head(self, saved: dict) -> None:
+        """Refuse a ``budget.json`` whose history is not the charge log's.
+
+        After its first charge, ``budget.json`` names the digest of the charge log's line for its
+        last charge (``head``): that line is the log's last, or the one line a crash kept from it
+        (:meth:`complete_log`). Anything else is a ``budget.json`` written by a writer that lost the
+        run directory after its check and wrote after the new writer did: it has as many charges as
+        the log and another cohort in the last, and loading it would forget a granted charge.
+        What a resume checks (:meth:`trusted`), and a writer starting up (the accountant actor
+        restarted by Ray) before it loads the ledger.
+
+        Raises
+        ------
+        RfedrayError
+        """
+        if "head" not in saved or not saved["ledger"].get("charges", 0):
+            return  # no charge yet (the head of a new run is "")
+        if saved["head"] != self._last_line_digest() and self._missing_line(saved) is None:
+            raise self._refuse(f"budget.json's last charge is not the last line of {LOG_NAME} (budget.json was "
+                               "overwritten by a writer that had lost the run directory, or one of the two was edited)")
 
     def _missing_line(self, saved: dict) -> Optional[bytes]:
         """The charge log's line that a crash kept from being appended after ``budget.json`` (or None)."""

@@ -301,6 +301,7 @@ class WriteAheadLedger:
         self._last: Optional[dict] = None
         saved = self._files.current()
         if saved is not None:
+            self._files.check_head(saved)
             self._ledger.load_state_dict(saved["ledger"])
             self._last = saved.get("request")
 
