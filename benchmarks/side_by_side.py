@@ -236,6 +236,10 @@ def main() -> None:
     parser.add_argument("--flower-python", default=str(ROOT / ".venv-flower" / "bin" / "python"))
     parser.add_argument("--out", default=None, help="folder of the runs (default: a new temporary one)")
     args = parser.parse_args()
+    # Absolute, not resolved: Flower runs in its own folder, and a venv's python is a link to the base
+    # interpreter (resolving it would leave the venv).
+    args.flower_python = os.path.abspath(args.flower_python)
+    args.baseline = args.baseline and os.path.abspath(args.baseline)
     if "ray-before" in args.engines and not (args.baseline and (Path(args.baseline) / "rfedray").is_dir()):
         sys.exit(f"error: --baseline: {args.baseline!r} is not an rfedray checkout (needed by --engines ray-before)")
     if "flower" in args.engines and not Path(args.flower_python).is_file():
