@@ -263,9 +263,11 @@ def _old_writer(tmp_path):
     return old, wal, granted
 
 
-def _take_over_during(monkeypatch, old, method, file, after=None):
+def _take_over_during(monkeypatch, old, method, file, after=None, before=None):
     """Make ``old``'s next ``method`` of ``file`` let a resume lock, announce and load the ledger
-    between the writer's check and its write (then ``after()``, e.g. the writer dying)."""
+    between the writer's check and its write (``before(wal)`` then runs with the resume's ledger,
+    e.g. charging a round, and the resume's driver dies, releasing its lock; ``after()`` runs after
+    the old writer's write, e.g. the writer dying)."""
     from rfedray.federated.resume import WriteAheadLedger
 
     resumed = {}
@@ -274,8 +276,12 @@ def _take_over_during(monkeypatch, old, method, file, after=None):
     def racing(name, data):
         if name == file and not resumed:
             new = RunDirectory(old.path)
-            new.announce(new.lock(), "rfedray run --resume")
+            lock = new.lock()
+            new.announce(lock, "rfedray run --resume")
             resumed["wal"] = WriteAheadLedger(_ledger(), FINGERPRINT, new)
+            if before is not None:
+                before(resumed["wal"])
+                lock.release()
             original(name, data)
             if after is not None:
                 after()
@@ -352,20 +358,9 @@ def test_a_stale_budget_write_landing_after_the_new_writers_charge_is_refused(tm
     from rfedray.federated.rundir import RunDirectoryWriteError
 
     old, wal, granted = _old_writer(tmp_path)
-    original = old.store.write_atomic
     new_grants = []
-
-    def stalled(name, data):
-        if name == "budget.json" and not new_grants:
-            new = RunDirectory(old.path)
-            lock = new.lock()
-            new.announce(lock, "rfedray run --resume")
-            new_wal = WriteAheadLedger(_ledger(), FINGERPRINT, new)
-            new_grants.append(new_wal.authorize([0, 1], round=1, request="new r1"))  # clients 0, 1: twice
-            lock.release()  # the second driver dies too
-        original(name, data)  # the old writer's charge: clients 2, 3 once
-
-    monkeypatch.setattr(old.store, "write_atomic", stalled)
+    _take_over_during(monkeypatch, old, "write_atomic", "budget.json",  # the old writer's charge: clients 2, 3 once
+                      before=lambda new: new_grants.append(new.authorize([0, 1], round=1, request="new r1")))
     with pytest.raises(RunDirectoryWriteError, match="another process took this run directory over"):
         wal.authorize([2, 3], round=1, request="old r1")
     monkeypatch.undo()
@@ -385,24 +380,11 @@ def test_a_line_the_old_writer_appends_twice_is_tolerated(tmp_path, monkeypatch)
     """The old writer passes its append's check and stalls; the resume's writer appends that charge's
     line from budget.json, then its own; the old line lands last, a copy. The chain goes on from the
     first copy: the next resume and its writer continue, counting every grant."""
-    from rfedray.federated.resume import WriteAheadLedger
     from rfedray.federated.rundir import RunDirectoryWriteError
 
     old, wal, granted = _old_writer(tmp_path)
-    original = old.store.append
-    resumed = {}
-
-    def stalled(name, data):
-        if name == "ledger.jsonl" and not resumed:
-            new = RunDirectory(old.path)
-            lock = new.lock()
-            new.announce(lock, "rfedray run --resume")
-            resumed["wal"] = WriteAheadLedger(_ledger(), FINGERPRINT, new)  # loads the old charge from budget.json
-            granted.append(resumed["wal"].authorize([0, 1], round=1, request="new r1"))
-            lock.release()  # the second driver dies too
-        original(name, data)
-
-    monkeypatch.setattr(old.store, "append", stalled)
+    _take_over_during(monkeypatch, old, "append", "ledger.jsonl",  # the resume loads the old charge
+                      before=lambda new: granted.append(new.authorize([0, 1], round=1, request="new r1")))
     with pytest.raises(RunDirectoryWriteError, match="another process took this run directory over"):
         wal.authorize([2, 3], round=1, request="old r1")
     monkeypatch.undo()
