@@ -16,6 +16,7 @@ import pytest
 
 from prometheus_server import free_port, prometheus  # noqa: F401  (pytest fixture)
 from rfedray.metrics import INFO_LABELS
+from rfedray.task import EvalData
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [
@@ -100,12 +101,43 @@ def test_no_client_value_leaks_through_metrics_logs_or_summary(tmp_path, test_se
     # The log never prints records or gradients.
     assert "tensor(" not in stderr
     # No number the run exports is a per-client data-dependent value: every number of summary.json,
-    # metrics.jsonl, the exposition and the log differs from each client's statistics and records.
-    exported = [*numbers_in(summary), *numbers_in(records), *exposition_values(body), *log_numbers(stderr)]
-    private = client_values(run_dir)
-    assert len(exported) > 100 and private.size > 1000
-    for value in exported:
-        assert not np.isclose(private, value, rtol=1e-7, atol=0).any(), f"exported {value!r} is a client's value"
+    # metrics.jsonl, the exposition and the log differs from each client's records and statistics by
+    # more than the precision it was written with.
+    exported = [(v, 0.0) for v in (*numbers_in(summary), *numbers_in(records), *exposition_values(body))]
+    exported += log_numbers(stderr)
+    records_, statistics = client_values(run_dir)
+    assert len(exported) > 100 and records_.size > 1000 and statistics.size > 100
+    for value, written_to in exported:
+        for private, rtol in ((records_, 1e-12), (statistics, 1e-9)):
+            close = np.isclose(private, value, rtol=rtol, atol=written_to)
+            assert not close.any(), f"exported {value!r} is a client's value {private[close][0]!r}"
+
+
+def test_the_leak_check_catches_a_copied_or_recomputed_value_and_nothing_near_it():
+    """The precision of the check above. A record copied into JSON, a client's statistic computed by
+    torch and the model in float64 or float32, or either printed in the log with 7 decimals, is each
+    caught; a value within 1e-7 of one (the coincidence that made a former 1e-7 check fail about one run in a hundred: an
+    oracle loss within 8e-8 of one of the 6000 records) is not."""
+    import torch
+
+    from rfedray.config import load_config
+    from rfedray.federated.loop import Federation
+
+    fed = Federation.prepare(load_config(None, RUN), None)
+    theta = fed.model.init_params(torch.Generator().manual_seed(0))
+    records_, statistics = private_values(fed, theta)
+    (z,) = fed.dataset.client_data(4).train
+    record = float(z[17, 3])
+    cov32 = z.T @ z / z.shape[0]
+    in_float32 = [float(torch.linalg.eigvalsh(cov32)[-1]), fed.model.evaluate(theta, EvalData((cov32,)))["gap"]]
+
+    def caught(value, written_to=0.0):
+        return any(np.isclose(p, value, rtol=r, atol=written_to).any() for p, r in ((records_, 1e-12), (statistics, 1e-9)))
+
+    assert all(caught(v) for v in (record, *in_float32))
+    printed = log_numbers(" ".join(f"{v:.7f}" for v in (record, *in_float32)))
+    assert len(printed) == 3 and all(caught(*n) for n in printed)
+    assert not any(caught(v * (1 + 2e-8)) for v in (record, *in_float32))
 
 
 def numbers_in(obj) -> list[float]:
@@ -123,29 +155,39 @@ def exposition_values(body: str) -> list[float]:
     return [float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith("rfedray_")]
 
 
-def log_numbers(text: str) -> list[float]:
-    """Numbers printed with at least 7 significant digits (rounded ones cannot be matched reliably)."""
-    return [float(m) for m in re.findall(r"-?\d+\.\d{6,}(?:e-?\d+)?", text)]
+def log_numbers(text: str) -> list[tuple[float, float]]:
+    """Numbers printed with at least 6 decimals (rounded ones cannot be matched reliably), each with
+    half a unit of its last printed digit."""
+    found = re.findall(r"(-?\d+\.(\d{6,}))(?:e(-?\d+))?", text)
+    return [(float(f"{m}e{e or 0}"), 0.5 * 10.0 ** (int(e or 0) - len(digits))) for m, digits, e in found]
 
 
-def client_values(run_dir: Path) -> np.ndarray:
-    """What each client's data alone determines: its records, its covariance's spectrum, and the final
-    model's loss, gap and distance on that client's covariance. (Records have unit norm by
-    construction, so norms and traces are not data-dependent and are left out.)"""
+def client_values(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The private values of a finished run's clients (:func:`private_values` at its final model)."""
     import torch
 
     from rfedray.config import load_config
     from rfedray.federated.loop import Federation
     from rfedray.federated.rundir import RunDirectory
-    from rfedray.task import EvalData
 
     fed = Federation.prepare(load_config(run_dir / "config.yaml"), RunDirectory(run_dir))
-    theta = torch.load(run_dir / "model_final.pt")
-    values = []
+    return private_values(fed, torch.load(run_dir / "model_final.pt"))
+
+
+def private_values(fed, theta) -> tuple[np.ndarray, np.ndarray]:
+    """What each client's data alone determines: its records (float32: a copy is the value itself),
+    and its statistics, computed in float64 and in float32 (either is how a client might compute
+    them): its covariance's spectrum and the model ``theta``'s loss, gap and distance on that
+    covariance. (Records have unit norm by construction, so norms and traces are not data-dependent
+    and are left out.)"""
+    import torch
+
+    records, statistics = [], []
     for cid in range(fed.cfg.federation.n_clients):
         (z,) = fed.dataset.client_data(cid).train
-        z = z.double()
-        cov = z.T @ z / z.shape[0]
-        values += [z.flatten(), torch.linalg.eigvalsh(cov)]
-        values.append(torch.tensor(list(fed.model.evaluate(theta, EvalData((cov,))).values()), dtype=torch.float64))
-    return torch.cat(values).numpy()
+        records.append(z.double().flatten())
+        for dtype in (torch.float64, torch.float32):
+            cov = z.to(dtype).T @ z.to(dtype) / z.shape[0]
+            statistics += [torch.linalg.eigvalsh(cov).double(),
+                           torch.tensor(list(fed.model.evaluate(theta, EvalData((cov,))).values()), dtype=torch.float64)]
+    return torch.cat(records).numpy(), torch.cat(statistics).numpy()
