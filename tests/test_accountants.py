@@ -397,13 +397,19 @@ def test_ledger_bad_arguments():
 
 
 def test_ledger_budget_check_at_2000_steps_is_fast():
-    """One round's check when the worst client reaches 200 rounds of 10 steps (2,000 steps)."""
-    ledger = make_ledger(sizes=[5000] * 10, sigma=0.00368, target=10.0)
-    state = ledger.state_dict()
-    state["participations"] = [199] + [150] * 9
-    ledger.load_state_dict(state)
-    start = time.process_time()
-    auth = ledger.authorize([0, 1, 2])
-    elapsed = time.process_time() - start
-    assert auth.granted and ledger.participations(0) == 200
-    assert elapsed < 0.05
+    """One round's check when the worst client reaches 200 rounds of 10 steps (2,000 steps).
+
+    It takes about 0.02 s of CPU; on a loaded 2-core machine one timing exceeded 0.05 s in about 1 of
+    100 tries (cache and frequency contention), so the check is the fastest of 5 fresh ledgers (each
+    computes its epsilon anew): a slow check is slow every time, a load spike does not hit all 5."""
+    timings = []
+    for _ in range(5):
+        ledger = make_ledger(sizes=[5000] * 10, sigma=0.00368, target=10.0)
+        state = ledger.state_dict()
+        state["participations"] = [199] + [150] * 9
+        ledger.load_state_dict(state)
+        start = time.process_time()
+        auth = ledger.authorize([0, 1, 2])
+        timings.append(time.process_time() - start)
+        assert auth.granted and ledger.participations(0) == 200
+    assert min(timings) < 0.05, timings

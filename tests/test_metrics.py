@@ -295,7 +295,9 @@ def test_other_arguments_are_checked():
 
 
 def test_prometheus_stores_what_was_observed(prometheus):  # noqa: F811  (the fixture)
-    """A real Prometheus scrapes a RunMetrics fed by a fake loop of rounds, one per ~1.6 scrapes."""
+    """A real Prometheus scrapes a RunMetrics fed by a fake loop of rounds; the next round comes once
+    Prometheus has stored the current one (a fixed 1.6 s per round missed a round whenever a scrape
+    came more than 0.6 s late on a loaded machine)."""
     metrics = make(run_id="scrape-test", seeded=True)
     port = metrics.start_server(0)
     try:
@@ -308,7 +310,8 @@ def test_prometheus_stores_what_was_observed(prometheus):  # noqa: F811  (the fi
             if kwargs["round"] == 1:
                 metrics.client_failure(1)
                 metrics.submission_rejected(2)
-            time.sleep(1.6)
+            server.wait_until('rfedray_current_round{run_id="scrape-test"}', lambda v: v == kwargs["round"] + 1, timeout=60)
+            server.wait_until('rfedray_epsilon_spent{run_id="scrape-test"}', lambda v: v == kwargs["epsilon_spent"], timeout=60)
         metrics.set_halted(True)
         done = time.time()
         server.wait_until("timestamp(rfedray_halted)", lambda t: t > done + 0.05)
