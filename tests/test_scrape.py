@@ -108,16 +108,15 @@ def test_no_client_value_leaks_through_metrics_logs_or_summary(tmp_path, test_se
     records_, statistics = client_values(run_dir)
     assert len(exported) > 100 and records_.size > 1000 and statistics.size > 100
     for value, written_to in exported:
-        for private, rtol in ((records_, 1e-12), (statistics, 1e-9)):
-            close = np.isclose(private, value, rtol=rtol, atol=written_to)
-            assert not close.any(), f"exported {value!r} is a client's value {private[close][0]!r}"
+        match = private_match(value, written_to, records_, statistics)
+        assert match is None, f"exported {value!r} is a client's value {match!r}"
 
 
 def test_the_leak_check_catches_a_copied_or_recomputed_value_and_nothing_near_it():
     """The precision of the check above. A record copied into JSON, a client's statistic computed by
     torch and the model in float64 or float32, or either printed in the log with 7 decimals, is each
-    caught; a value within 1e-7 of one (the coincidence that made a former 1e-7 check fail about one run in a hundred: an
-    oracle loss within 8e-8 of one of the 6000 records) is not."""
+    caught; a value within 1e-7 of one (the coincidence that made a former 1e-7 check fail about one
+    run in a hundred: an oracle loss within 8e-8 of one of the 6000 records) is not."""
     import torch
 
     from rfedray.config import load_config
@@ -132,12 +131,23 @@ def test_the_leak_check_catches_a_copied_or_recomputed_value_and_nothing_near_it
     in_float32 = [float(torch.linalg.eigvalsh(cov32)[-1]), fed.model.evaluate(theta, EvalData((cov32,)))["gap"]]
 
     def caught(value, written_to=0.0):
-        return any(np.isclose(p, value, rtol=r, atol=written_to).any() for p, r in ((records_, 1e-12), (statistics, 1e-9)))
+        return private_match(value, written_to, records_, statistics) is not None
 
     assert all(caught(v) for v in (record, *in_float32))
     printed = log_numbers(" ".join(f"{v:.7f}" for v in (record, *in_float32)))
     assert len(printed) == 3 and all(caught(*n) for n in printed)
     assert not any(caught(v * (1 + 2e-8)) for v in (record, *in_float32))
+
+
+def private_match(value: float, written_to: float, records: np.ndarray, statistics: np.ndarray):
+    """The private value that ``value``, written to within ``written_to``, equals (or None): a record
+    to 1e-12 (a copy of one is exact), a statistic to 1e-9 (:func:`private_values` computes each in
+    the two precisions a client might)."""
+    for private, rtol in ((records, 1e-12), (statistics, 1e-9)):
+        close = np.isclose(private, value, rtol=rtol, atol=written_to)
+        if close.any():
+            return float(private[close][0])
+    return None
 
 
 def numbers_in(obj) -> list[float]:
